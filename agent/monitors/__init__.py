@@ -1,0 +1,31 @@
+"""Mechanism monitors: exact, batched tensor functions (DESIGN.md 1a-1b)."""
+
+from __future__ import annotations
+
+from agent.monitors.router import (
+    RoutingEntropy,
+    RoutingLoad,
+    router_conditioning_ratio,
+    router_similarity,
+    routing_entropy,
+    routing_load,
+)
+from agent.monitors.spectrum import (
+    SpectrumStats,
+    qk_increment_spectrum,
+    spectrum_stats,
+    update_spectrum,
+)
+
+__all__ = [
+    "RoutingEntropy",
+    "RoutingLoad",
+    "SpectrumStats",
+    "qk_increment_spectrum",
+    "router_conditioning_ratio",
+    "router_similarity",
+    "routing_entropy",
+    "routing_load",
+    "spectrum_stats",
+    "update_spectrum",
+]

@@ -1,0 +1,142 @@
+"""Router monitors for mixture-of-experts layers (DESIGN.md 1b).
+
+Weights: ``w_router`` of shape (..., E, d), one row w_i per expert. Logits: (..., E), every
+leading position a token (they are flattened). Pure functions, no autograd, computed in fp32 at
+least (fp64 stays fp64). They run on the device of their input without host synchronization, so
+a forward hook can call them on every forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class RoutingEntropy(NamedTuple):
+    mean: torch.Tensor  # () mean over tokens of the full-softmax entropy, nats
+    normalized: torch.Tensor  # () mean / ln E, in [0, 1]
+    p10: torch.Tensor  # () 10th percentile (linear interpolation) of per-token entropy, nats
+
+
+class RoutingLoad(NamedTuple):
+    load: torch.Tensor  # (E,) fraction of the tokens' top-k assignments each expert received
+    max_load: torch.Tensor  # () largest load fraction; 1/E is perfectly balanced
+    load_entropy: torch.Tensor  # () entropy of ``load`` in nats (0 log 0 = 0)
+    margin: torch.Tensor  # () mean over tokens of top-1 minus top-2 probability
+    dead_experts: torch.Tensor  # () number of experts that received no assignment (int64)
+
+
+def _work_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _check_router(w_router: torch.Tensor) -> torch.Tensor:
+    if w_router.ndim < 2 or w_router.shape[-2] < 2:
+        raise ValueError(
+            f"w_router must have shape (..., E, d) with E >= 2 experts, got {tuple(w_router.shape)}"
+        )
+    return w_router.detach().to(_work_dtype(w_router))
+
+
+def _flatten_logits(logits: torch.Tensor) -> torch.Tensor:
+    if logits.ndim < 1 or logits.shape[-1] < 2:
+        raise ValueError(f"logits must have shape (..., E) with E >= 2, got {tuple(logits.shape)}")
+    z = logits.detach().reshape(-1, logits.shape[-1]).to(_work_dtype(logits))  # (N, E)
+    if z.shape[0] == 0:
+        raise ValueError("logits hold no tokens")
+    return z
+
+
+@torch.no_grad()
+def router_conditioning_ratio(w_router: torch.Tensor) -> torch.Tensor:
+    """Centred conditioning ratio eps = max_i ||w_i - w_bar|| / ||w_bar||, shape (...).
+
+    Small eps: the rows share one direction (a redundant router). Defined edge cases: all rows
+    equal (including all zero) -> 0; zero mean row with distinct rows -> +inf.
+    """
+    w = _check_router(w_router)
+    w_bar = w.mean(dim=-2, keepdim=True)  # (..., 1, d)
+    spread = (w - w_bar).norm(dim=-1).amax(dim=-1)  # (...)
+    centre = w_bar.squeeze(-2).norm(dim=-1)  # (...)
+    ratio = spread / torch.where(centre > 0, centre, torch.ones_like(centre))
+    inf = torch.full_like(ratio, math.inf)
+    return torch.where(centre > 0, ratio, torch.where(spread > 0, inf, torch.zeros_like(ratio)))
+
+
+@torch.no_grad()
+def router_similarity(w_router: torch.Tensor) -> torch.Tensor:
+    """Mean pairwise cosine similarity of the rows, shape (...), in O(E d).
+
+    With unit rows u_i and their mean u_bar, the mean over i != j of u_i . u_j is
+    (E^2 ||u_bar||^2 - E) / (E (E - 1)) = (E ||u_bar||^2 - 1) / (E - 1). A zero row has cosine 0
+    with every row (it counts in the pairs but adds nothing).
+    """
+    w = _check_router(w_router)
+    e = w.shape[-2]
+    norms = w.norm(dim=-1, keepdim=True)  # (..., E, 1)
+    u = w / torch.where(norms > 0, norms, torch.ones_like(norms))  # zero rows stay zero
+    n_unit = (norms.squeeze(-1) > 0).sum(dim=-1).to(w.dtype)  # (...) sum ||u_i||^2
+    total = u.sum(dim=-2)  # (..., d) = E u_bar
+    return (total.square().sum(dim=-1) - n_unit) / (e * (e - 1))
+
+
+def _linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """Quantile of a 1-D tensor with linear interpolation (numpy's default) via kthvalue.
+
+    O(N), no sort, no host synchronization, no size limit.
+    """
+    n = x.shape[0]
+    pos = q * (n - 1)
+    lo = math.floor(pos)
+    frac = pos - lo
+    v_lo = torch.kthvalue(x, lo + 1).values
+    if frac == 0.0:
+        return v_lo
+    v_hi = torch.kthvalue(x, min(lo + 2, n)).values
+    return v_lo + frac * (v_hi - v_lo)
+
+
+@torch.no_grad()
+def routing_entropy(logits: torch.Tensor) -> RoutingEntropy:
+    """Per-token entropy of the full routing softmax (before top-k), reduced over tokens.
+
+    Mean of per-token entropies, not the entropy of the mean load. Logits of -inf (masked
+    experts) contribute 0 log 0 = 0.
+    """
+    z = _flatten_logits(logits)  # (N, E)
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)  # (N,) nats
+    mean = h.mean()
+    return RoutingEntropy(
+        mean=mean, normalized=mean / math.log(z.shape[-1]), p10=_linear_quantile(h, 0.1)
+    )
+
+
+@torch.no_grad()
+def routing_load(logits: torch.Tensor, top_k: int) -> RoutingLoad:
+    """Load and margin statistics of top-k routing (lagging, context metrics)."""
+    z = _flatten_logits(logits)  # (N, E)
+    n, e = z.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    p = torch.softmax(z, dim=-1)  # (N, E)
+    top = torch.topk(p, k=max(top_k, 2), dim=-1)  # values and indices (N, max(k, 2))
+    counts = torch.zeros(e, dtype=z.dtype, device=z.device)
+    counts.index_add_(
+        0, top.indices[:, :top_k].reshape(-1), torch.ones_like(top.values[:, :top_k]).reshape(-1)
+    )
+    load = counts / (n * top_k)  # (E,)
+    load_entropy = -torch.where(
+        load > 0, load * torch.log(torch.where(load > 0, load, 1.0)), 0.0
+    ).sum()
+    margin = (top.values[:, 0] - top.values[:, 1]).mean()
+    return RoutingLoad(
+        load=load,
+        max_load=load.max(),
+        load_entropy=load_entropy,
+        margin=margin,
+        dead_experts=(counts == 0).sum(),
+    )

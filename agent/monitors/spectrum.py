@@ -1,0 +1,175 @@
+"""Spectral monitors of attention weight updates (DESIGN.md 1a).
+
+Everything here is a pure function of tensors: batched over leading dimensions, fp32 or fp64,
+no autograd. Factors are per head, shape (..., d, d_h): W_q^h and the paired key factor
+W_k^g(h) (see ``agent.discovery``).
+
+The QK bilinear increment between a snapshot W = W(t - delta) and now W' = W(t), with
+dW = W' - W, splits as Delta_1 = W_q' W_k'^T - W_q W_k^T = Delta_2 + Delta_3 with
+
+    Delta_2 = dW_q W_k^T + W_q dW_k^T = [dW_q, W_q] [W_k, dW_k]^T   (first order, the lead signal)
+    Delta_3 = dW_q dW_k^T                                          (second order)
+    Delta_1 = Delta_2 + Delta_3 = [dW_q, W_q] [W_k', dW_k]^T           (the whole increment)
+
+Each is a product A B^T of two thin (d, r) matrices, r = 2 d_h or d_h. With thin QR
+A = Q_A R_A, B = Q_B R_B, the non-zero singular values of the d x d matrix A B^T are those of
+the r x r core R_A R_B^T, because Q_A and Q_B have orthonormal columns. Cost O(d r^2) instead of
+O(d^3), and no d x d matrix is ever formed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+class SpectrumStats(NamedTuple):
+    """Statistics of singular-value vectors; every field has the leading shape of the input."""
+
+    entropy: torch.Tensor  # (...,) spectral entropy H in nats; 0 for an all-zero spectrum
+    effective_rank: torch.Tensor  # (...,) exp(H); 0 for an all-zero spectrum
+    stable_rank: torch.Tensor  # (...,) sum s^2 / s_max^2; 0 for an all-zero spectrum
+    frobenius: torch.Tensor  # (...,) sqrt(sum s^2), in the units of the matrix entries
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32 or float64, got {t.dtype}")
+
+
+def default_rtol(shape: tuple[int, int], dtype: torch.dtype) -> float:
+    """Relative cut-off eps * max(shape) below which a singular value counts as zero."""
+    return torch.finfo(dtype).eps * max(shape)
+
+
+@torch.no_grad()
+def spectrum_stats(
+    singular_values: torch.Tensor,
+    alpha: float = 2.0,
+    *,
+    shape: tuple[int, int] | None = None,
+    rtol: float | None = None,
+) -> SpectrumStats:
+    """Spectral entropy, effective rank, stable rank and Frobenius norm of spectra (..., k).
+
+    p_i = s_i^alpha / sum_j s_j^alpha over the kept values; H = -sum p_i ln p_i (natural log).
+    Values below ``rtol * s_max`` are dropped, with ``rtol = eps(dtype) * max(shape)``; ``shape``
+    is the shape of the matrix the values come from (default (k, k)). An all-zero spectrum (a
+    zero update) has entropy 0, effective rank 0, stable rank 0 and norm 0: never NaN.
+    """
+    s = singular_values
+    _check_float("singular_values", s)
+    if s.ndim < 1 or s.shape[-1] == 0:
+        raise ValueError(
+            f"singular_values must have shape (..., k) with k >= 1, got {tuple(s.shape)}"
+        )
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    if rtol is None:
+        k = s.shape[-1]
+        rtol = default_rtol(shape if shape is not None else (k, k), s.dtype)
+    s = s.abs()
+    s_max = s.amax(dim=-1, keepdim=True)  # (..., 1)
+    kept = s > rtol * s_max  # (..., k); all False for an all-zero spectrum
+    s = torch.where(kept, s, torch.zeros_like(s))
+    nonzero = s_max.squeeze(-1) > 0  # (...,)
+
+    # Normalize by s_max before powering so that alpha * log(s) cannot overflow.
+    safe_max = torch.where(s_max > 0, s_max, torch.ones_like(s_max))
+    u = s / safe_max  # (..., k) in [0, 1]
+    w = torch.where(kept, u.pow(alpha), torch.zeros_like(u))
+    total = w.sum(dim=-1, keepdim=True)
+    p = w / torch.where(total > 0, total, torch.ones_like(total))
+    plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), 0.0)
+    entropy = -plogp.sum(dim=-1)
+    entropy = torch.where(nonzero, entropy.clamp_min(0.0), torch.zeros_like(entropy))
+
+    sq = u.square().sum(dim=-1)  # sum s^2 / s_max^2
+    stable_rank = torch.where(nonzero, sq, torch.zeros_like(sq))
+    frobenius = s_max.squeeze(-1) * sq.sqrt()
+    effective_rank = torch.where(nonzero, entropy.exp(), torch.zeros_like(entropy))
+    return SpectrumStats(entropy, effective_rank, stable_rank, frobenius)
+
+
+def _check_factors(**factors: torch.Tensor) -> torch.Size:
+    shape = None
+    for name, t in factors.items():
+        _check_float(name, t)
+        if t.ndim < 2:
+            raise ValueError(f"{name} must have shape (..., d, d_h), got {tuple(t.shape)}")
+        if shape is None:
+            shape = t.shape
+        elif t.shape != shape:
+            raise ValueError(
+                f"factor shapes differ: {name} has {tuple(t.shape)}, expected {tuple(shape)}"
+            )
+    assert shape is not None
+    return shape
+
+
+def _lowrank_product_svdvals(
+    a: torch.Tensor, b: torch.Tensor, exactly_zero: torch.Tensor
+) -> torch.Tensor:
+    """Singular values of a @ b.mT for a, b of shape (..., d, r), through the r x r QR core.
+
+    Returns (..., min(d, r)) values in descending order; values below eps * d * s_max are set
+    to exactly zero (they are rounding noise of a rank-deficient product), and so is the whole
+    spectrum where ``exactly_zero`` (...,) says the product is zero by construction.
+    """
+    _, r_a = torch.linalg.qr(a, mode="r")  # (..., min(d, r), r)
+    _, r_b = torch.linalg.qr(b, mode="r")  # (..., min(d, r), r)
+    core = r_a @ r_b.mT  # (..., min(d, r), min(d, r))
+    s = torch.linalg.svdvals(core)  # (..., min(d, r)), descending
+    d = a.shape[-2]
+    tol = default_rtol((d, d), s.dtype) * s[..., :1]
+    keep = (s > tol) & ~exactly_zero.unsqueeze(-1)
+    return torch.where(keep, s, torch.zeros_like(s))
+
+
+def _is_zero(t: torch.Tensor) -> torch.Tensor:
+    """(..., d, d_h) -> (...,): True where every entry is zero."""
+    return (t == 0).flatten(-2).all(dim=-1)
+
+
+@torch.no_grad()
+def qk_increment_spectrum(
+    wq_prev: torch.Tensor,
+    wk_prev: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    order: int = 2,
+) -> torch.Tensor:
+    """Singular values of the QK bilinear increment Delta_order for factors (..., d, d_h).
+
+    ``order=2``: Delta_2 = dW_q W_k^T + W_q dW_k^T (W the previous snapshot), through a
+    2 d_h core; ``order=3``: Delta_3 = dW_q dW_k^T through a d_h core; ``order=1``: the whole
+    increment Delta_1 = W_q' W_k'^T - W_q W_k^T = Delta_2 + Delta_3, through the 2 d_h core of
+    [dW_q, W_q] [W_k', dW_k]^T (no cancellation between two large products). Returns
+    (..., min(d, r)) descending, r the core size; the values beyond the product's rank are
+    zeros. Never forms a d x d matrix.
+    """
+    _check_factors(wq_prev=wq_prev, wk_prev=wk_prev, wq=wq, wk=wk)
+    if order not in (1, 2, 3):
+        raise ValueError(f"order must be 1, 2 or 3, got {order}")
+    dq, dk = wq - wq_prev, wk - wk_prev  # (..., d, d_h)
+    zero_q, zero_k = _is_zero(dq), _is_zero(dk)  # (...)
+    if order == 3:
+        return _lowrank_product_svdvals(dq, dk, zero_q | zero_k)
+    a = torch.cat([dq, wq_prev], dim=-1)  # (..., d, 2 d_h)
+    b = torch.cat([wk_prev if order == 2 else wk, dk], dim=-1)  # (..., d, 2 d_h)
+    return _lowrank_product_svdvals(a, b, zero_q & zero_k)
+
+
+@torch.no_grad()
+def update_spectrum(w_prev: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Singular values of dW = w - w_prev per head slice, (..., d, d_h) -> (..., min(d, d_h)).
+
+    Descending; values below eps * max(d, d_h) * s_max are set to exactly zero.
+    """
+    _check_factors(w_prev=w_prev, w=w)
+    s = torch.linalg.svdvals(w - w_prev)
+    tol = default_rtol(tuple(w.shape[-2:]), s.dtype) * s[..., :1]
+    return torch.where(s > tol, s, torch.zeros_like(s))

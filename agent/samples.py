@@ -1,0 +1,53 @@
+"""The unit of measurement that flows from monitors to the series store and the rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Metric names produced by the built-in probes. Rules select on these names; labels say
+# where a value was measured: "layer" is the module name (str), "head" a query-head index
+# (str), "router" the router's module name.
+QK_DELTA1_ENTROPY = "qk_delta1_entropy"  # H(Delta_1), per layer and head
+QK_DELTA2_ENTROPY = "qk_delta2_entropy"  # H(Delta_2), per layer and head (lead FA signal)
+QK_DELTA3_ENTROPY = "qk_delta3_entropy"  # H(Delta_3), per layer and head
+QK_DELTA2_STABLE_RANK = "qk_delta2_stable_rank"
+QK_DELTA2_FROBENIUS = "qk_delta2_frobenius"
+DWQ_ENTROPY = "dwq_entropy"  # H(dW_q^h), per layer and head
+DWK_ENTROPY = "dwk_entropy"  # H(dW_k^g), per layer and KV head
+WQ_SPECTRAL_NORM = "wq_spectral_norm"  # ||W_q^h||_2, per layer and head
+ROUTER_ENTROPY = "router_entropy"  # mean per-token routing entropy (nats), per router
+ROUTER_ENTROPY_NORM = "router_entropy_norm"  # mean entropy / ln E
+ROUTER_ENTROPY_P10 = "router_entropy_p10"  # 10th percentile of per-token entropy (nats)
+ROUTER_EPS = "router_eps"  # centred conditioning ratio eps
+ROUTER_SIMILARITY = "router_similarity"  # mean pairwise cosine of router rows
+ROUTER_LOAD_MAX = "router_load_max"  # largest top-k load fraction
+ROUTER_LOAD_ENTROPY = "router_load_entropy"  # entropy of the load distribution (nats)
+ROUTER_MARGIN = "router_margin"  # mean top-1 minus top-2 probability
+ROUTER_DEAD_EXPERTS = "router_dead_experts"  # experts that received no token
+LOSS = "loss"
+LOSS_NONFINITE = "loss_nonfinite"  # 1.0 when the loss is NaN or inf, else 0.0
+GRAD_NORM = "grad_norm"
+SECONDS_SINCE_STEP = "seconds_since_step"  # written by the watchdog
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One measured value: ``metric`` at ``step`` for the place named by ``labels``."""
+
+    step: int
+    metric: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = field(default=())
+
+    @staticmethod
+    def make(step: int, metric: str, value: float, **labels: str | int) -> Sample:
+        return Sample(
+            step=int(step),
+            metric=metric,
+            value=float(value),
+            labels=tuple(sorted((k, str(v)) for k, v in labels.items())),
+        )
+
+    @property
+    def label_dict(self) -> dict[str, str]:
+        return dict(self.labels)

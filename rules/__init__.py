@@ -1,0 +1,1 @@
+"""Shipped YAML rule packs (installed as the ``mechwatch_rules`` package)."""
