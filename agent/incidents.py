@@ -86,9 +86,11 @@ class RunContext:
     host: str = field(default_factory=socket.gethostname)
     rank: int = field(default_factory=lambda: int(os.environ.get("RANK", "0") or 0))
     job_id: str | None = field(
-        default_factory=lambda: os.environ.get("SLURM_JOB_ID")
-        or os.environ.get("MECHWATCH_JOB_ID")
-        or os.environ.get("TORCHELASTIC_RUN_ID")
+        default_factory=lambda: (
+            os.environ.get("SLURM_JOB_ID")
+            or os.environ.get("MECHWATCH_JOB_ID")
+            or os.environ.get("TORCHELASTIC_RUN_ID")
+        )
     )
 
 

@@ -32,7 +32,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ConfigDict, Field
 from torch.autograd.function import once_differentiable
+
+from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
 
 AttentionKernel = Callable[..., torch.Tensor]
 
@@ -41,29 +44,36 @@ class AttentionPrecisionSwitch:
     """Which attention layers run their backward in fp32. Layer names are exact names or glob
     patterns (``"model.layers.*.self_attn"``); ``None`` means every layer (global).
 
-    ``fp32_backward(layer)`` is called on every attention forward: it is a bool test plus a dict
-    lookup (glob patterns are matched once per layer name and cached until the next change).
+    ``fp32_backward(layer)`` is called on every attention forward: one dict lookup (each layer
+    name is matched against the patterns the first time it asks, and again at each change).
     """
 
     def __init__(self) -> None:
         self._all = False  # global: every layer, except those in _excluded
         self._included: set[str] = set()  # names or glob patterns switched on
         self._excluded: set[str] = set()  # names or glob patterns switched off while global
-        self._decided: dict[str, bool] = {}  # layer name -> decision (cache)
+        self._decided: dict[str | None, bool] = {}  # layer name -> decision (cache)
+        self._consulted: set[str | None] = set()  # call sites that have asked (diagnostics)
         self._listeners: list[Callable[[AttentionPrecisionSwitch], None]] = []
 
     # -- the hot path ------------------------------------------------------------------------
     def fp32_backward(self, layer: str | None) -> bool:
         """Whether ``layer`` (or an unnamed call site, ``None``) runs the fp32 backward."""
-        if layer is None:
-            return self._all
         decided = self._decided.get(layer)
         if decided is None:
             decided = self._decide(layer)
             self._decided[layer] = decided
+            self._consulted.add(layer)
         return decided
 
-    def _decide(self, layer: str) -> bool:
+    def _redecide(self) -> None:
+        # Decide at once for every layer seen so far, so that the hot path stays a pure lookup
+        # (under torch.compile a flip then changes guarded state once: one recompile per flip).
+        self._decided = {layer: self._decide(layer) for layer in self._consulted}
+
+    def _decide(self, layer: str | None) -> bool:
+        if layer is None:
+            return self._all
         if self._all:
             return not _matches_any(layer, self._excluded)
         return _matches_any(layer, self._included)
@@ -77,6 +87,16 @@ class AttentionPrecisionSwitch:
     @property
     def global_enabled(self) -> bool:
         return self._all
+
+    @property
+    def consulted_layers(self) -> frozenset[str | None]:
+        """Layer names (``None``: unnamed call sites) whose attention has consulted the switch:
+        empty means no attention call runs through it, so switching changes nothing."""
+        return frozenset(self._consulted)
+
+    @property
+    def listener_count(self) -> int:
+        return len(self._listeners)
 
     def enable_fp32_backward(self, layers: Iterable[str] | None = None) -> None:
         """Switch the fp32 backward on for ``layers`` (names or glob patterns), or for all."""
@@ -112,7 +132,7 @@ class AttentionPrecisionSwitch:
         self._listeners.remove(fn)
 
     def _changed(self, old: dict[str, Any]) -> None:
-        self._decided = {}
+        self._redecide()
         try:
             for fn in self._listeners:
                 fn(self)
@@ -153,7 +173,7 @@ class AttentionPrecisionSwitch:
         self._all = bool(state["all"])
         self._included = set(state["included"])
         self._excluded = set(state["excluded"])
-        self._decided = {}
+        self._redecide()
 
     def __repr__(self) -> str:
         s = self.state_dict()
@@ -443,10 +463,17 @@ def _probs(
     """softmax(scale * q k^T + mask) in fp32, (..., H, L, S); fully masked rows are zero."""
     scores = (q @ k.transpose(-1, -2)).mul_(scale)  # (..., H, L, S)
     if attn_mask is not None:
+        in_place = torch.broadcast_shapes(scores.shape, attn_mask.shape) == scores.shape
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(attn_mask.logical_not(), -math.inf)
+            drop = attn_mask.logical_not()
+            scores = (
+                scores.masked_fill_(drop, -math.inf)
+                if in_place
+                else scores.masked_fill(drop, -math.inf)
+            )
         else:
-            scores = scores + attn_mask.to(scores.dtype)
+            mask = attn_mask.to(scores.dtype)
+            scores = scores.add_(mask) if in_place else scores + mask
     if is_causal:
         L, S = scores.shape[-2], scores.shape[-1]
         causal = torch.ones(L, S, dtype=torch.bool, device=scores.device).tril_()  # (L, S)
@@ -483,3 +510,76 @@ def _math_forward(
     p = _probs(q, k, attn_mask, is_causal, _scale(query, scale))
     p.mul_(_dropout_keep(p, dropout_p, seed)).div_(1.0 - dropout_p)
     return p @ v
+
+
+# -- the action ---------------------------------------------------------------------------------
+class AttentionFP32BackwardParams(ActionParams):
+    model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
+
+    layers: list[str] | None = Field(
+        None,
+        description="layer names or glob patterns ('model.layers.*.self_attn'); null: every layer",
+    )
+
+
+class AttentionFP32Backward(Action):
+    """Switch the attention backward to fp32 (all layers, or those matching ``layers``).
+
+    Takes effect for attention that runs through ``scaled_dot_product_attention`` of this
+    module (directly, or via ``install_hf_attention``) and for kernels driven by a listener of
+    the switch. What it switched on is kept in its state and re-imposed by ``reapply``.
+    """
+
+    name = "attention_fp32_backward"
+    Params = AttentionFP32BackwardParams
+
+    def __init__(self, switch: AttentionPrecisionSwitch = attention_precision) -> None:
+        self.switch = switch
+        self.enabled_all = False  # what this action switched on, re-imposed by reapply
+        self.enabled_layers: set[str] = set()
+
+    def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
+        assert isinstance(params, AttentionFP32BackwardParams)
+        layers = None if params.layers is None else _as_names(params.layers)
+        before = self.switch.state_dict()
+        where = "every layer" if layers is None else f"layers {sorted(layers)}"
+        consulted = self.switch.consulted_layers
+        detail = f"attention backward in fp32 for {where}"
+        if not consulted and not self.switch.listener_count:
+            detail += (
+                " (warning: no attention call has consulted the switch yet; route attention "
+                "through remediations.attention.scaled_dot_product_attention or "
+                "install_hf_attention, or add a listener)"
+            )
+        if ctx.dry_run:
+            preview = AttentionPrecisionSwitch()
+            preview.load_state_dict(before)
+            preview.enable_fp32_backward(layers)
+            return ActionOutcome(detail, {"precision": before}, {"precision": preview.state_dict()})
+        self.switch.enable_fp32_backward(layers)  # restores itself if a listener fails
+        if layers is None:
+            self.enabled_all = True
+        else:
+            self.enabled_layers |= layers
+        return ActionOutcome(detail, {"precision": before}, {"precision": self.switch.state_dict()})
+
+    def reapply(self, ctx: ActionContext) -> None:
+        state = self.switch.state_dict()
+        if self.enabled_all and not state["all"]:
+            self.switch.enable_fp32_backward()
+        missing = self.enabled_layers - set(state["included"])
+        if missing:
+            self.switch.enable_fp32_backward(missing)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"all": self.enabled_all, "layers": sorted(self.enabled_layers)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - {"all", "layers"}
+        if unknown or not isinstance(state.get("all", False), bool):
+            raise ValueError(
+                f"attention_fp32_backward state: expected {{'all': bool, 'layers': [...]}}, "
+                f"got keys {sorted(state)}"
+            )
+        self.enabled_all = state.get("all", False)
+        self.enabled_layers = _as_names(state.get("layers", [])) or set()

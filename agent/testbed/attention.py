@@ -58,7 +58,9 @@ class AttentionFault:
         if not isinstance(self.bits, int) or not 0 <= self.bits <= FP32_MANTISSA_BITS:
             raise ValueError(f"AttentionFault.bits must be an int in 0..23, got {self.bits!r}")
         if self.mode not in ROUNDING_MODES:
-            raise ValueError(f"AttentionFault.mode must be one of {ROUNDING_MODES}, got {self.mode!r}")
+            raise ValueError(
+                f"AttentionFault.mode must be one of {ROUNDING_MODES}, got {self.mode!r}"
+            )
 
     def rounds(self, site: str) -> bool:
         return self.enabled and site in self.sites

@@ -88,9 +88,7 @@ class MarkovSource:
             0, self.vocab, (batch_size, self.order), generator=generator
         )
         # (T+1, B, 1): one uniform per drawn token, contiguous per position for searchsorted.
-        uniforms = torch.rand(
-            out.shape[1], batch_size, 1, generator=generator, dtype=torch.float64
-        )
+        uniforms = torch.rand(out.shape[1], batch_size, 1, generator=generator, dtype=torch.float64)
         for t in range(self.order, out.shape[1]):
             context = (out[:, t - self.order : t] * self._radix).sum(dim=1)  # (B,)
             cdf = self._cdf[context]  # (B, branching)

@@ -52,7 +52,9 @@ class TestbedConfig(BaseModel):
     @model_validator(mode="after")
     def _check_shapes(self) -> TestbedConfig:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
@@ -137,7 +139,9 @@ class MoEFeedForward(nn.Module):
             out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot].unsqueeze(1))
         # Switch Transformer balancing loss: E * sum_e (assignment fraction_e * mean prob_e).
         assigned = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
-        assigned.scatter_add_(0, top_i.reshape(-1), torch.ones_like(top_i.reshape(-1), dtype=torch.float32))
+        assigned.scatter_add_(
+            0, top_i.reshape(-1), torch.ones_like(top_i.reshape(-1), dtype=torch.float32)
+        )
         fraction = assigned / top_i.numel()  # (E,)
         balance = self.num_experts * torch.sum(fraction * probs.mean(dim=0))
         return out.view(b, t, d), balance

@@ -1,0 +1,244 @@
+"""Attribution: firing alerts become one incident per fault, with a family, a confidence and
+the evidence (DESIGN.md 1c).
+
+Which families fire decides the attribution:
+
+    fa_precision evidence only            -> fa_precision
+    router_instability evidence only      -> router_instability
+    both mechanism families               -> combined
+    symptom evidence only (loss, NaN...)  -> unattributed
+
+An incident opens when the first alert fires, collects evidence as more alerts fire (an
+unattributed incident is upgraded when mechanism evidence arrives; fa_precision or
+router_instability becomes combined when the other family joins), pages again after
+``repeat_every_steps`` while still firing, and resolves when none of its alerts fires.
+Everything is decided from the arguments (step, alerts): no clock, no randomness, so every rank
+of a distributed run reaches the same incidents.
+
+Confidence (documented heuristic, in [0, 1]): a mechanism family starts at 0.6, gains 0.1 per
+further distinct firing rule of that family (at most +0.2), 0.1 when the other mechanism family
+is monitored and quiet (the orthogonality check of DESIGN.md 1c), and 0.05 when symptoms
+corroborate; ``combined`` takes the smaller of its two families; ``unattributed`` is 0.3 plus
+0.05 per further symptom rule, at most 0.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
+
+MECHANISM_FAMILIES = ("fa_precision", "router_instability")
+_SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
+
+
+@dataclass(frozen=True)
+class FiringAlert:
+    """What attribution needs from one firing alert of the rule engine."""
+
+    evidence: Evidence
+    actions: tuple[tuple[str, dict[str, Any]], ...] = ()  # (action name, params) from the rule
+
+
+@dataclass(frozen=True)
+class ActionRequest:
+    """An action a rule asked for, for an incident; executed by the agent at a step boundary."""
+
+    incident_id: str
+    rule: str
+    action: str
+    params: dict[str, Any]
+
+
+@dataclass
+class AttributionUpdate:
+    events: list[IncidentEvent] = field(default_factory=list)
+    action_requests: list[ActionRequest] = field(default_factory=list)
+
+
+def classify(families: set[str]) -> str:
+    """The fault family that a set of firing evidence families points to."""
+    fa = "fa_precision" in families
+    router = "router_instability" in families
+    if fa and router:
+        return "combined"
+    if fa:
+        return "fa_precision"
+    if router:
+        return "router_instability"
+    return "unattributed"
+
+
+def _family_confidence(rules: set[str], corroborated: bool, other_quiet: bool) -> float:
+    conf = 0.6 + min(0.2, 0.1 * (len(rules) - 1))
+    if other_quiet:
+        conf += 0.1
+    if corroborated:
+        conf += 0.05
+    return min(conf, 0.95)
+
+
+def confidence(evidence: list[Evidence], monitored: set[str]) -> float:
+    by_family: dict[str, set[str]] = {}
+    for e in evidence:
+        by_family.setdefault(e.family, set()).add(e.rule)
+    family = classify(set(by_family))
+    symptoms = "symptom" in by_family
+    if family == "unattributed":
+        return min(0.5, 0.3 + 0.05 * (len(by_family.get("symptom", ())) - 1))
+    if family == "combined":
+        return min(_family_confidence(by_family[f], symptoms, False) for f in MECHANISM_FAMILIES)
+    other = next(f for f in MECHANISM_FAMILIES if f != family)
+    return _family_confidence(by_family[family], symptoms, other in monitored)
+
+
+class Attributor:
+    """Turns the set of firing alerts at each evaluation into incident events and actions."""
+
+    def __init__(
+        self,
+        context: RunContext | None = None,
+        *,
+        monitored_families: set[str] | None = None,
+        repeat_every_steps: int = 2000,
+        history: int = 50,
+    ) -> None:
+        self.context = context or RunContext()
+        self.monitored = set(monitored_families or MECHANISM_FAMILIES)
+        self.repeat_every_steps = repeat_every_steps
+        self.history = history
+        self.open: Incident | None = None
+        self.closed: list[Incident] = []
+        self._seq = 0  # per-incident event sequence
+        self._last_page_step = 0
+        self._count = 0  # incidents opened so far (part of the deterministic id)
+        self._requested: set[tuple[str, str]] = set()  # (rule, action) already asked for
+
+    # ------------------------------------------------------------------ evaluation
+    def update(self, step: int, firing: list[FiringAlert]) -> AttributionUpdate:
+        out = AttributionUpdate()
+        if self.open is None:
+            if firing:
+                self._open(step, firing, out)
+            return out
+        incident = self.open
+        if not firing:
+            incident.status = "resolved"
+            incident.resolved_step = step
+            incident.updated_step = step
+            out.events.append(self._event("resolved", step, "all alerts cleared"))
+            self.closed = (self.closed + [incident])[-self.history :]
+            self.open = None
+            self._requested = set()
+            return out
+
+        old_family, old_rules = incident.family, {e.rule for e in incident.evidence}
+        self._merge(step, firing)
+        new_rules = {e.rule for e in incident.evidence} - old_rules
+        if incident.family != old_family:
+            msg = f"re-attributed from {old_family} to {incident.family}"
+            out.events.append(self._event("escalated", step, msg))
+        elif new_rules:
+            out.events.append(
+                self._event("updated", step, "new evidence: " + ", ".join(sorted(new_rules)))
+            )
+        elif step - self._last_page_step >= self.repeat_every_steps:
+            out.events.append(self._event("repeat", step, "still firing"))
+        self._request_actions(firing, out)
+        return out
+
+    def record_action(self, record: Any, step: int) -> IncidentEvent | None:
+        """Attach an ActionRecord to the open incident and return the thread event for it."""
+        if self.open is None:
+            return None
+        self.open.actions.append(record)
+        verb = "would run" if record.dry_run else ("ran" if record.ok else "failed to run")
+        return self._event("action", step, f"{verb} {record.action}: {record.detail}")
+
+    # ------------------------------------------------------------------ internals
+    def _open(self, step: int, firing: list[FiringAlert], out: AttributionUpdate) -> None:
+        self._count += 1
+        self._seq = 0
+        self._requested = set()
+        self.open = Incident(
+            id=f"{self.context.run_name}-{self._count}-s{step}",
+            family="unattributed",
+            severity="info",
+            confidence=0.0,
+            opened_step=step,
+            onset_step=None,
+        )
+        self._merge(step, firing)
+        out.events.append(self._event("opened", step, ""))
+        self._request_actions(firing, out)
+
+    def _merge(self, step: int, firing: list[FiringAlert]) -> None:
+        incident = self.open
+        assert incident is not None
+        current = {(e.rule, tuple(sorted(e.labels.items()))): e for e in incident.evidence}
+        for alert in firing:
+            e = alert.evidence
+            current[(e.rule, tuple(sorted(e.labels.items())))] = e
+        incident.evidence = list(current.values())
+        # Evidence accumulates while the incident is open, so the family can only be upgraded
+        # (unattributed -> a mechanism -> combined), never downgraded.
+        incident.family = classify({e.family for e in incident.evidence})
+        incident.severity = max(
+            (e.severity for e in incident.evidence), key=lambda s: _SEVERITY_ORDER.get(s, 0)
+        )
+        incident.confidence = round(confidence(incident.evidence, self.monitored), 4)
+        relevant = [
+            e
+            for e in incident.evidence
+            if e.onset_step is not None
+            and (incident.family == "unattributed" or e.family in MECHANISM_FAMILIES)
+        ]
+        incident.onset_step = min((e.onset_step for e in relevant), default=incident.onset_step)
+        firing_mech = {e.family for e in incident.evidence} & set(MECHANISM_FAMILIES)
+        incident.quiet_families = sorted(self.monitored - firing_mech)
+        suggestions: list[str] = []
+        for e in incident.evidence:
+            if e.suggest and e.suggest not in suggestions:
+                suggestions.append(e.suggest)
+        incident.suggestions = suggestions
+        incident.updated_step = step
+
+    def _request_actions(self, firing: list[FiringAlert], out: AttributionUpdate) -> None:
+        incident = self.open
+        assert incident is not None
+        for alert in firing:
+            for name, params in alert.actions:
+                key = (alert.evidence.rule, name)
+                if key in self._requested:
+                    continue
+                self._requested.add(key)
+                out.action_requests.append(
+                    ActionRequest(incident.id, alert.evidence.rule, name, dict(params))
+                )
+
+    def _event(self, kind: str, step: int, message: str) -> IncidentEvent:
+        assert self.open is not None
+        self._seq += 1
+        self._last_page_step = step if kind != "action" else self._last_page_step
+        snapshot = Incident.from_dict(self.open.to_dict())
+        return IncidentEvent(kind, self._seq, step, snapshot, self.context, message)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "open": self.open.to_dict() if self.open else None,
+            "closed": [i.to_dict() for i in self.closed],
+            "seq": self._seq,
+            "last_page_step": self._last_page_step,
+            "count": self._count,
+            "requested": sorted(list(k) for k in self._requested),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.open = Incident.from_dict(state["open"]) if state.get("open") else None
+        self.closed = [Incident.from_dict(i) for i in state.get("closed", [])]
+        self._seq = int(state.get("seq", 0))
+        self._last_page_step = int(state.get("last_page_step", 0))
+        self._count = int(state.get("count", 0))
+        self._requested = {tuple(k) for k in state.get("requested", [])}  # type: ignore[misc]

@@ -1,0 +1,45 @@
+"""The ``mechwatch`` command: one sub-command per concern, each implemented where it lives."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+# sub-command -> ("module:function", one-line help). Each function takes argv and returns an
+# exit code; modules are imported only when their command runs (keeps `mechwatch --help` fast).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("agent.rules.validate:cli_validate", "check rule files; print every error"),
+    "rules": ("agent.rules.validate:cli_list", "list the loaded rules"),
+    "slack-test": ("agent.notify.slack_test:cli_slack_test", "send a test page"),
+    "testbed": ("agent.testbed.cli:cli_testbed", "run one fault-injection scenario"),
+}
+
+
+def _resolve(target: str) -> Callable[[list[str]], int]:
+    module_name, func_name = target.split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: mechwatch COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `mechwatch COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"mechwatch: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return int(_resolve(COMMANDS[command][0])(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""The agent's configuration (``mechwatch.yaml``): every field has a default, so
+``Agent(model, optimizer)`` works with none. Unknown keys are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.discovery import DiscoveryOverrides
+from agent.notify.config import NotifyConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class QKMonitorConfig(_Strict):
+    enabled: bool = Field(True, description="measure the attention Q/K increment spectra")
+    delta: int = Field(
+        25,
+        ge=1,
+        description="steps between two snapshots of W_q/W_k; the increment spans delta steps "
+        "(25 on the test bed: one evaluation per 25 steps, see docs/agent.md)",
+    )
+    orders: list[int] = Field(
+        [2, 3], description="which increments to measure: 1 (Delta_1), 2 (Delta_2), 3 (Delta_3)"
+    )
+    layers_per_eval: int | None = Field(
+        None, ge=1, description="attention layers measured per evaluation (rotating); None: all"
+    )
+    heads_per_layer: int | None = Field(
+        None,
+        ge=1,
+        description="query heads measured per layer and evaluation (rotating); None: all",
+    )
+    snapshot_device: str | None = Field(
+        None, description="where snapshots live: None (next to the weights) or 'cpu'"
+    )
+
+
+class RouterMonitorConfig(_Strict):
+    enabled: bool = Field(True, description="hook the MoE routers")
+    every: int = Field(25, ge=1, description="steps between two read-outs of the router statistics")
+    default_top_k: int = Field(1, ge=1, description="top-k for load statistics when undeclared")
+
+
+class SymptomConfig(_Strict):
+    every: int = Field(
+        10, ge=1, description="steps between two read-outs of the buffered loss / grad norm"
+    )
+    grad_norm: bool = Field(
+        True, description="compute the gradient norm when step() is not given one"
+    )
+
+
+class WatchdogConfig(_Strict):
+    enabled: bool = Field(
+        True,
+        description="evaluate the rules on `seconds_since_step` (the hung_run rule of "
+        "symptoms.yaml sets the timeout) on a timer, off the training thread",
+    )
+    check_every_s: float = Field(30.0, gt=0, description="how often the watchdog looks, seconds")
+
+
+class SchedulingConfig(_Strict):
+    apply_lag: int = Field(
+        5,
+        ge=0,
+        description="monitor results measured at step t are applied to the rules at step "
+        "t + apply_lag on every rank alike (the training thread waits for a late result)",
+    )
+    max_wait_s: float = Field(
+        120.0, gt=0, description="longest wait for a late monitor result before dropping it"
+    )
+
+
+class ActionsConfig(_Strict):
+    enabled: bool = Field(True, description="run the actions the rules name")
+    dry_run: bool = Field(False, description="record and page what would be done; change nothing")
+    allow: list[str] | None = Field(
+        None, description="action names allowed to run (None: all); others are paged as proposed"
+    )
+
+
+class CheckpointConfig(_Strict):
+    enabled: bool = Field(False, description="save checkpoints for rollback")
+    directory: Path | None = Field(None, description="default: <run_dir>/checkpoints")
+    every: int = Field(250, ge=1, description="steps between checkpoints")
+    keep_last: int = Field(3, ge=1, description="how many recent checkpoints to keep")
+    keep_known_good: int = Field(2, ge=0, description="healthy checkpoints kept in addition")
+
+
+class AgentConfig(_Strict):
+    # Validation errors never echo inputs: a mistyped Slack key must not print the token.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    run_name: str = Field("run", description="names the run in pages and incident ids")
+    run_dir: Path = Field(
+        Path("mechwatch_runs/run"), description="event log, page outbox and checkpoints"
+    )
+    rules: list[Path] | None = Field(
+        None, description="rule files; None: the packs shipped in rules/"
+    )
+    qk: QKMonitorConfig = Field(default_factory=QKMonitorConfig)
+    router: RouterMonitorConfig = Field(default_factory=RouterMonitorConfig)
+    symptoms: SymptomConfig = Field(default_factory=SymptomConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    actions: ActionsConfig = Field(default_factory=ActionsConfig)
+    checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    notify: NotifyConfig = Field(default_factory=NotifyConfig)
+    discovery: DiscoveryOverrides = Field(default_factory=DiscoveryOverrides)
+    repeat_every_steps: int = Field(
+        2000, ge=1, description="page again about an incident still firing after this many steps"
+    )
+    metrics_every: int = Field(
+        1, ge=1, description="write every n-th monitor evaluation's samples to the event log"
+    )

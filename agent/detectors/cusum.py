@@ -1,0 +1,156 @@
+"""``cusum``: tabular CUSUM on values standardized by a warm-up mean and std.
+
+Warm-up: the first ``warmup`` finite values give the mean ``mu`` and sample std ``sigma``
+(floored by ``min_std`` and 1e-12 |mu|); both are frozen afterwards. Each later value is
+standardized, ``u = (value - mu) / sigma``, and feeds the one-sided sums
+
+    C+ = max(0, C+ + u - k)     (rising)      C- = max(0, C- - u - k)     (falling)
+
+with slack ``k`` (std units: half the shift to detect, classically). Triggered while a sum
+watched by ``direction`` exceeds the decision interval ``h``. The sums are not reset when the
+detector triggers: it stays triggered while the evidence lasts; ``reset()`` sets them to 0
+(and keeps mu and sigma).
+
+Onset estimator (the classic CUSUM change-point estimate): the step after the last time the
+triggered side's sum was 0, i.e. the first update of its current positive excursion.
+
+Defaults (warmup 50, k 0.75, h 10), measured on seeded N(0, 1) noise: about 0.35 false alarms
+per 10^4 updates; a 3-std shift fires after about 4 updates, a 2-std one after about 7. The
+warm-up estimates make CUSUM far more alarm-prone than its textbook run lengths suggest (k 0.5,
+h 8, a 20-value warm-up: about 40 per 10^4), hence the conservative defaults.
+
+The statistic is the larger sum, signed (+ for C+, - for C-); the baseline is mu. Non-finite
+values are gaps (see ``agent.detectors.base``).
+
+>>> from agent.detectors.cusum import CUSUMDetector
+>>> d = CUSUMDetector(warmup=5, k=0.5, h=5.0)
+>>> values = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 0.95, 0.8, 0.8, 0.8, 0.8]
+>>> [step for step, v in enumerate(values) if d.update(step, v).triggered]
+[9, 10]
+>>> d.onset_step, d.direction
+(6, 'falling')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field
+
+from agent.detectors.base import (
+    TREND_FALLING,
+    TREND_RISING,
+    Detector,
+    DetectorParams,
+    Trend,
+    scale_floor,
+)
+
+
+class CUSUMParams(DetectorParams):
+    warmup: int = Field(
+        50, ge=3, description="Number of finite values that give the mean and std (frozen)."
+    )
+    k: float = Field(0.75, ge=0, description="Slack per update, in warm-up std units.")
+    h: float = Field(10.0, gt=0, description="Decision interval, in warm-up std units.")
+    direction: Literal["falling", "rising", "both"] = Field(
+        "both", description="Which sum triggers: C- (falling), C+ (rising) or either."
+    )
+    min_std: float = Field(
+        0.0, ge=0, description="Floor on the warm-up standard deviation, in metric units."
+    )
+
+
+class CUSUMDetector(Detector):
+    """Tabular CUSUM. See the module docstring."""
+
+    type = "cusum"
+    Params = CUSUMParams
+    params: CUSUMParams
+
+    def _reset_state(self) -> None:
+        self._n_finite = 0
+        self._mean = 0.0  # Welford during warm-up, then frozen
+        self._m2 = 0.0
+        self._forget_departure()
+
+    def _forget_departure(self) -> None:
+        self._c_high = 0.0  # C+
+        self._c_low = 0.0  # C-
+        self._high_since: int | None = None  # first step of C+'s current excursion
+        self._low_since: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._n_finite >= self.params.warmup
+
+    @property
+    def baseline(self) -> float | None:
+        return self._mean if self.ready else None
+
+    @property
+    def std(self) -> float | None:
+        """The floored warm-up std the values are standardized with (metric units)."""
+        if not self.ready:
+            return None
+        sample_std = math.sqrt(self._m2 / (self.params.warmup - 1))
+        return scale_floor(sample_std, self.params.min_std, self._mean)
+
+    @property
+    def sums(self) -> tuple[float, float]:
+        """(C-, C+), std units."""
+        return self._c_low, self._c_high
+
+    def _update_finite(self, step: int, value: float) -> None:
+        p = self.params
+        if not self.ready:
+            self._n_finite += 1
+            delta = value - self._mean
+            self._mean += delta / self._n_finite
+            self._m2 += delta * (value - self._mean)
+            return
+        std = self.std
+        assert std is not None
+        u = (value - self._mean) / std
+        self._c_high = max(0.0, self._c_high + u - p.k)
+        self._c_low = max(0.0, self._c_low - u - p.k)
+        if self._c_high == 0.0:
+            self._high_since = None
+        elif self._high_since is None:
+            self._high_since = step
+        if self._c_low == 0.0:
+            self._low_since = None
+        elif self._low_since is None:
+            self._low_since = step
+        self._statistic = self._c_high if self._c_high >= self._c_low else -self._c_low
+        high = p.direction in ("rising", "both") and self._c_high > p.h
+        low = p.direction in ("falling", "both") and self._c_low > p.h
+        trend: Trend | None = None
+        onset = None
+        if high and (not low or self._c_high >= self._c_low):
+            trend, onset = TREND_RISING, self._high_since
+        elif low:
+            trend, onset = TREND_FALLING, self._low_since
+        self._set_verdict(trend, onset)
+
+    def _get_state(self) -> dict[str, Any]:
+        return {
+            "n_finite": self._n_finite,
+            "mean": self._mean,
+            "m2": self._m2,
+            "c_high": self._c_high,
+            "c_low": self._c_low,
+            "high_since": self._high_since,
+            "low_since": self._low_since,
+        }
+
+    def _set_state(self, state: Mapping[str, Any]) -> None:
+        self._n_finite = int(state["n_finite"])
+        self._mean = float(state["mean"])
+        self._m2 = float(state["m2"])
+        self._c_high = float(state["c_high"])
+        self._c_low = float(state["c_low"])
+        self._high_since = state["high_since"]
+        self._low_since = state["low_since"]

@@ -1,0 +1,67 @@
+"""The notifier contract and the three ways a delivery can fail.
+
+A notifier turns one ``IncidentEvent`` into one message. ``send`` is called from a
+background sender thread (never the training thread), one event at a time, in the order the
+events were submitted. ``thread`` is the reference ``send`` returned for the first delivered
+message of the same incident (a Slack ``ts``), or None; a notifier that cannot thread
+returns None and quotes the incident id in its replies instead.
+
+Failures are exceptions of three kinds, which decide what the dispatcher does next:
+
+- ``TransientDeliveryError``: try the same event again later (after ``retry_after`` seconds
+  when the server said so, else after an exponential backoff).
+- ``PermanentDeliveryError``: the notifier cannot deliver anything until its configuration
+  changes (bad token, unknown channel). Reported once; the events stay in the outbox.
+- ``MessageRejectedError``: this one message can never be delivered (malformed); it is
+  recorded as rejected for this notifier and the queue moves on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from agent.incidents import IncidentEvent
+
+
+class DeliveryError(Exception):
+    """A page could not be delivered. ``code`` is a short machine-readable reason."""
+
+    def __init__(self, message: str, *, code: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.hint = hint
+
+
+class TransientDeliveryError(DeliveryError):
+    """Try again later: rate limit, 5xx, no network."""
+
+    def __init__(
+        self, message: str, *, code: str, hint: str = "", retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, code=code, hint=hint)
+        self.retry_after = retry_after  # seconds the server asked us to wait, if it did
+
+
+class PermanentDeliveryError(DeliveryError):
+    """Nothing can be delivered until the configuration is fixed (token, channel, scopes)."""
+
+
+class MessageRejectedError(DeliveryError):
+    """This message can never be delivered as it is (too large, malformed)."""
+
+
+@runtime_checkable
+class Notifier(Protocol):
+    """Delivers page events somewhere people (or tools) will see them."""
+
+    # Unique among the notifiers of one dispatcher; keys delivery records in the outbox.
+    name: str
+
+    def send(self, event: IncidentEvent, thread: str | None) -> str | None:
+        """Deliver ``event``; return a reference replies can thread under, or None."""
+        ...
+
+    def close(self) -> None:
+        """Release resources. Called once, after the last ``send``."""
+        ...

@@ -1,0 +1,265 @@
+"""Probes: how the agent measures a live model without slowing it down.
+
+``RouterProbe``: a forward hook per router reduces the routing logits *on the device* to a few
+running sums (entropy, p10, margin, expert load); nothing is kept, nothing is copied to the
+host. ``read()`` turns the sums into samples with one host transfer for all routers, every
+``router_every`` steps.
+
+``QKSnapshots``: every ``delta`` steps, fp32 copies of the Q/K projection weights of the
+layers sampled for the next evaluation; the increment between two consecutive snapshots of a
+layer is measured off the training thread by ``compute_qk_samples``.
+
+Layer and head sampling (for very deep or wide models): each evaluation covers
+``layers_per_eval`` layers (a rotating window over all attention layers) and, in each,
+``heads_per_layer`` query heads (a rotating window over that layer's heads). A layer is thus
+visited every ceil(L / layers_per_eval) evaluations and each head every
+ceil(H / heads_per_layer) visits. ``None`` means all. Rules that reduce over heads (``mean``)
+see the mean of the heads sampled in that evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from agent import samples as m
+from agent.discovery import AttentionSite, RouterSite
+from agent.monitors import (
+    qk_increment_spectrum,
+    router_conditioning_ratio,
+    router_similarity,
+    routing_entropy,
+    routing_load,
+    spectrum_stats,
+    update_spectrum,
+)
+from agent.router_output import extract_router_logits
+from agent.samples import Sample
+
+# Running sums kept per router, in this order: entropy mean, normalized entropy, p10, margin,
+# number of forwards counted.
+_ROUTER_SUMS = 5
+
+
+class RouterProbe:
+    """Device-side routing statistics for every discovered router."""
+
+    def __init__(self, sites: list[RouterSite], default_top_k: int = 1) -> None:
+        self.sites = sites
+        self.default_top_k = default_top_k
+        self._sums: list[torch.Tensor | None] = [None] * len(sites)  # (_ROUTER_SUMS,) each
+        self._load: list[torch.Tensor | None] = [None] * len(sites)  # (E,) summed load fractions
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.errors: list[str] = []
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for i, site in enumerate(self.sites):
+            self._handles.append(site.module.register_forward_hook(self._hook(i, site)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, index: int, site: RouterSite):
+        top_k = site.top_k or self.default_top_k
+
+        def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
+            if not module.training:
+                return  # evaluation passes would mix another distribution into the window
+            try:
+                logits = extract_router_logits(output, site.num_experts)
+                if logits is None or logits.numel() == 0:
+                    return
+                with torch.no_grad():
+                    ent = routing_entropy(logits)
+                    load = routing_load(logits, top_k)
+                    one = torch.ones((), dtype=ent.mean.dtype, device=ent.mean.device)
+                    row = torch.stack([ent.mean, ent.normalized, ent.p10, load.margin, one])
+                    if self._sums[index] is None:
+                        self._sums[index] = torch.zeros_like(row)
+                        self._load[index] = torch.zeros_like(load.load)
+                    self._sums[index].add_(row)
+                    self._load[index].add_(load.load)
+            except Exception as exc:  # never break the user's forward
+                if len(self.errors) < 10:
+                    self.errors.append(f"router probe {site.name}: {exc!r}")
+
+        return hook
+
+    def read(self, step: int) -> list[Sample]:
+        """Samples for the window since the last read (one host transfer), then reset."""
+        rows, names = [], []
+        for i, site in enumerate(self.sites):
+            sums, load = self._sums[i], self._load[i]
+            weight = site.weight().detach()
+            eps = router_conditioning_ratio(weight).reshape(1)
+            sim = router_similarity(weight).reshape(1)
+            if sums is None or load is None:
+                continue
+            rows.append(torch.cat([sums.to(eps.dtype), load.to(eps.dtype), eps, sim]))
+            names.append(site)
+            sums.zero_()
+            load.zero_()
+        if not rows:
+            return []
+        host = [r.cpu().tolist() for r in rows]  # the one synchronization of this read
+        out: list[Sample] = []
+        for site, values in zip(names, host, strict=True):
+            n = values[4]
+            if n <= 0:
+                continue
+            e = site.num_experts
+            load = [x / n for x in values[5 : 5 + e]]
+            eps, sim = values[5 + e], values[6 + e]
+            load_entropy = -sum(x * math.log(x) for x in load if x > 0)
+            lab = {"router": site.name}
+            out += [
+                Sample.make(step, m.ROUTER_ENTROPY, values[0] / n, **lab),
+                Sample.make(step, m.ROUTER_ENTROPY_NORM, values[1] / n, **lab),
+                Sample.make(step, m.ROUTER_ENTROPY_P10, values[2] / n, **lab),
+                Sample.make(step, m.ROUTER_MARGIN, values[3] / n, **lab),
+                Sample.make(step, m.ROUTER_LOAD_MAX, max(load), **lab),
+                Sample.make(step, m.ROUTER_LOAD_ENTROPY, load_entropy, **lab),
+                Sample.make(step, m.ROUTER_DEAD_EXPERTS, sum(1 for x in load if x == 0), **lab),
+                Sample.make(step, m.ROUTER_EPS, eps, **lab),
+                Sample.make(step, m.ROUTER_SIMILARITY, sim, **lab),
+            ]
+        return out
+
+
+@dataclass
+class QKJob:
+    """Two snapshots of one layer, delta steps apart, and the heads to measure."""
+
+    step: int  # step of the newer snapshot
+    site: AttentionSite
+    previous: dict[str, torch.Tensor]  # fp32 snapshot at step - delta
+    current: dict[str, torch.Tensor]  # fp32 snapshot at step
+    heads: list[int]  # query heads to measure
+    ready: torch.cuda.Event | None = field(default=None, repr=False)  # copies done (CUDA)
+
+
+def _snapshot(site: AttentionSite, device: str | None) -> dict[str, torch.Tensor]:
+    """fp32 copies of the layer's Q/K parameters (the only work on the training thread)."""
+    out = {}
+    for name, p in site.parameters_to_snapshot().items():
+        target = p.device if device is None else torch.device(device)
+        non_blocking = p.is_cuda and target.type == "cpu"
+        out[name] = (
+            p.detach().to(dtype=torch.float32).to(target, non_blocking=non_blocking, copy=True)
+        )
+    return out
+
+
+class QKSnapshots:
+    """Schedules snapshots of sampled layers and hands out jobs for the monitor thread."""
+
+    def __init__(
+        self,
+        sites: list[AttentionSite],
+        *,
+        delta: int,
+        layers_per_eval: int | None = None,
+        heads_per_layer: int | None = None,
+        device: str | None = None,
+    ) -> None:
+        if delta < 1:
+            raise ValueError(f"delta must be >= 1 step, got {delta}")
+        self.sites = sites
+        self.delta = delta
+        self.layers_per_eval = min(layers_per_eval or len(sites), len(sites))
+        self.heads_per_layer = heads_per_layer
+        self.device = device
+        self._evaluation = 0
+        self._head_offset = {site.name: 0 for site in sites}
+        self._previous: dict[str, dict[str, torch.Tensor]] = {}
+        self._previous_step: int | None = None
+        self._planned: list[AttentionSite] = []
+        self._cuda = any(
+            p.is_cuda for site in sites for p in site.parameters_to_snapshot().values()
+        )
+
+    def reset(self) -> None:
+        """Forget the snapshots (after a rollback the weights jumped: no increment across it)."""
+        self._previous.clear()
+        self._previous_step = None
+        self._planned = []
+
+    def _plan(self) -> list[AttentionSite]:
+        n = len(self.sites)
+        start = (self._evaluation * self.layers_per_eval) % n if n else 0
+        return [self.sites[(start + i) % n] for i in range(self.layers_per_eval)]
+
+    def _heads(self, site: AttentionSite) -> list[int]:
+        h = site.num_heads
+        count = min(self.heads_per_layer or h, h)
+        offset = self._head_offset[site.name]
+        self._head_offset[site.name] = (offset + count) % h
+        return [(offset + i) % h for i in range(count)]
+
+    def on_step(self, step: int) -> list[QKJob]:
+        """Call every step; takes snapshots on multiples of ``delta``; returns due jobs."""
+        if not self.sites or step % self.delta != 0:
+            return []
+        jobs: list[QKJob] = []
+        current: dict[str, dict[str, torch.Tensor]] = {}
+        if self._previous_step is not None and step - self._previous_step == self.delta:
+            for site in self._planned:
+                current[site.name] = _snapshot(site, self.device)
+                jobs.append(
+                    QKJob(
+                        step, site, self._previous[site.name], current[site.name], self._heads(site)
+                    )
+                )
+            self._evaluation += 1
+        # Plan the next evaluation and take its "previous" snapshots now.
+        self._planned = self._plan()
+        self._previous = {
+            site.name: current[site.name] if site.name in current else _snapshot(site, self.device)
+            for site in self._planned
+        }
+        self._previous_step = step
+        if jobs and self._cuda:  # the copies are asynchronous: the monitor thread waits on this
+            event = torch.cuda.Event()
+            event.record()
+            for job in jobs:
+                job.ready = event
+        return jobs
+
+
+@torch.no_grad()
+def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sample]:
+    """All QK monitors of one job (runs on the monitor thread, never on live weights)."""
+    if job.ready is not None:
+        job.ready.synchronize()
+    site, heads = job.site, job.heads
+    d = site.d_model
+    wq0, wk0 = site.factors(job.previous, heads)  # (n, d, d_h) each
+    wq1, wk1 = site.factors(job.current, heads)
+    out: list[Sample] = []
+    names = {1: m.QK_DELTA1_ENTROPY, 2: m.QK_DELTA2_ENTROPY, 3: m.QK_DELTA3_ENTROPY}
+    per_head: dict[str, list[float]] = {}
+    for order in orders:
+        stats = spectrum_stats(qk_increment_spectrum(wq0, wk0, wq1, wk1, order=order), shape=(d, d))
+        per_head[names[order]] = stats.entropy.tolist()
+        if order == 2:
+            per_head[m.QK_DELTA2_STABLE_RANK] = stats.stable_rank.tolist()
+            per_head[m.QK_DELTA2_FROBENIUS] = stats.frobenius.tolist()
+    dq = spectrum_stats(update_spectrum(wq0, wq1), shape=(d, site.head_dim))
+    per_head[m.DWQ_ENTROPY] = dq.entropy.tolist()
+    per_head[m.WQ_SPECTRAL_NORM] = torch.linalg.matrix_norm(wq1, ord=2).tolist()
+    for metric, values in per_head.items():
+        for h, value in zip(heads, values, strict=True):
+            out.append(Sample.make(job.step, metric, value, layer=site.name, head=h))
+    kv_heads = sorted({site.kv_head(h) for h in heads})
+    wk0_kv = site.factors_kv(job.previous, kv_heads)
+    wk1_kv = site.factors_kv(job.current, kv_heads)
+    dk = spectrum_stats(update_spectrum(wk0_kv, wk1_kv), shape=(d, site.head_dim))
+    for g, value in zip(kv_heads, dk.entropy.tolist(), strict=True):
+        out.append(Sample.make(job.step, m.DWK_ENTROPY, value, layer=site.name, kv_head=g))
+    return out

@@ -1,0 +1,328 @@
+"""The YAML rule format, as pydantic models that mirror the file.
+
+A rule file is a mapping with one key, ``groups``; each group has a ``name`` and ``rules``::
+
+    groups:
+      - name: fa_precision
+        rules:
+          - name: qk_delta2_entropy_collapse
+            metric: qk_delta2_entropy
+            match: {layer: "*"}
+            reduce: {op: mean, over: [head]}
+            detector: {type: baseline, warmup: 6, direction: drop, rel: 0.5}
+            for: 2
+            keep_firing_for: 3
+            clear: {baseline_ratio_above: 0.8}
+            severity: critical
+            family: fa_precision
+            actions: [attention_fp32_backward, {rollback: {margin_steps: 100}}, page]
+            cooldown: 500
+            summary: "H(Delta_2) of {labels[layer]} fell to {value:.3f}"
+            suggest: "Run the attention backward in FP32."
+
+Every model forbids unknown keys and validates strictly (a string is never read as a number
+or a boolean). Detector parameters and action parameters are checked by the loader against
+the detector and action registries, which this module does not know.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    field_validator,
+    model_validator,
+)
+
+from agent.incidents import EVIDENCE_FAMILIES, SEVERITIES
+from agent.rules.matchers import LabelPattern
+from agent.rules.templates import check_template
+
+Family = Literal["fa_precision", "router_instability", "symptom"]
+SeverityName = Literal["info", "warning", "critical"]
+ReduceOp = Literal["min", "mean", "max", "median", "sum", "quantile"]
+assert set(Family.__args__) == set(EVIDENCE_FAMILIES), "schema.Family out of date"
+assert set(SeverityName.__args__) == set(SEVERITIES), "schema.SeverityName out of date"
+
+RULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
+METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
+_DURATION = re.compile(r"^\s*(-?\d+)\s*(steps?|evaluations?|evals?)\s*$")
+
+
+def describe(value: Any) -> str:
+    """How an offending YAML value is quoted in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Duration:
+    """How long a condition must hold: a number of evaluations (samples of the series fed to
+    the rule) or of training steps."""
+
+    count: int
+    unit: Literal["evaluations", "steps"] = "evaluations"
+
+    def __str__(self) -> str:
+        return str(self.count) if self.unit == "evaluations" else f"{self.count} steps"
+
+
+def parse_duration(value: Any) -> Duration:
+    if isinstance(value, Duration):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"must be >= 0, got {value}")
+        return Duration(value, "evaluations")
+    if isinstance(value, str) and (m := _DURATION.match(value)):
+        count = int(m.group(1))
+        if count < 0:
+            raise ValueError(f"must be >= 0, got {value!r}")
+        unit = "steps" if m.group(2).startswith("step") else "evaluations"
+        return Duration(count, unit)
+    raise ValueError(
+        f"expected an integer number of evaluations or a string like '500 steps', "
+        f"got {describe(value)}"
+    )
+
+
+def parse_steps(value: Any) -> int:
+    """A count of training steps: an integer or 'N steps'."""
+    duration = parse_duration(value)
+    if duration.unit != "steps" and isinstance(value, str):
+        raise ValueError(f"counted in steps; write an integer or 'N steps', got {value!r}")
+    return duration.count
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """One action a firing rule asks for: its registry name and its parameters."""
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if not self.params:
+            return self.name
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.name}({inner})"
+
+
+_ACTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_action(value: Any) -> ActionSpec:
+    if isinstance(value, ActionSpec):
+        return value
+    if isinstance(value, str):
+        name, params = value, None
+    elif isinstance(value, dict):
+        if len(value) != 1:
+            keys = ", ".join(repr(k) for k in value) or "none"
+            raise ValueError(
+                f"an action mapping needs exactly one key, the action name; got {keys}"
+            )
+        ((name, params),) = value.items()
+        if not isinstance(name, str):
+            raise ValueError(f"an action name must be a string, got {describe(name)}")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(
+                f"parameters of action '{name}' must be a mapping, got {describe(params)}"
+            )
+    else:
+        raise ValueError(f"expected an action name or {{name: {{params}}}}, got {describe(value)}")
+    if not _ACTION_NAME.match(name):
+        raise ValueError(f"invalid action name {name!r}")
+    return ActionSpec(name, dict(params or {}))
+
+
+def _parse_pattern(value: Any) -> LabelPattern:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `head: 3` means the label value "3"
+    if not isinstance(value, str):
+        raise ValueError(f"expected a glob or '~regex' string, got {describe(value)}")
+    return LabelPattern.parse(value)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ReduceSpec(_Strict):
+    """How the matching series are combined, per step, before the detector sees them."""
+
+    op: ReduceOp = Field(
+        description="min | mean | max | median | sum | quantile (quantile needs q); NaN in, NaN out"
+    )
+    over: list[str] | None = Field(
+        default=None,
+        description="labels reduced away; the remaining labels name the alert. Omitted: all "
+        "labels, one alert for the whole rule",
+    )
+    q: float | None = Field(
+        default=None, description="quantile in [0, 1] for op 'quantile' (linear interpolation)"
+    )
+
+    @field_validator("q")
+    @classmethod
+    def _q_in_range(cls, q: float | None) -> float | None:
+        if q is not None and not 0.0 <= q <= 1.0:
+            raise ValueError(f"must be between 0 and 1, got {q}")
+        return q
+
+    @model_validator(mode="after")
+    def _q_matches_op(self) -> ReduceSpec:
+        if self.op == "quantile" and self.q is None:
+            raise ValueError("op 'quantile' needs q (between 0 and 1)")
+        if self.op != "quantile" and self.q is not None:
+            raise ValueError(f"q is only used by op 'quantile', not '{self.op}'")
+        return self
+
+
+class ClearSpec(_Strict):
+    """Hysteresis: once firing, the alert resolves only when every given condition holds."""
+
+    above: float | None = Field(default=None, allow_inf_nan=False, description="value > this")
+    below: float | None = Field(default=None, allow_inf_nan=False, description="value < this")
+    baseline_ratio_above: float | None = Field(
+        default=None, allow_inf_nan=False, description="value / baseline > this"
+    )
+    baseline_ratio_below: float | None = Field(
+        default=None, allow_inf_nan=False, description="value / baseline < this"
+    )
+
+    @model_validator(mode="after")
+    def _has_a_condition(self) -> ClearSpec:
+        if all(v is None for v in self.model_dump().values()):
+            raise ValueError(
+                "needs at least one of: above, below, baseline_ratio_above, baseline_ratio_below"
+            )
+        return self
+
+    def holds(self, value: float | None, baseline: float | None) -> bool:
+        """True when every given condition holds; a ratio needs a finite non-zero baseline."""
+        if value is None:
+            return False
+        if self.above is not None and not value > self.above:
+            return False
+        if self.below is not None and not value < self.below:
+            return False
+        if self.baseline_ratio_above is not None or self.baseline_ratio_below is not None:
+            if baseline is None or baseline == 0 or baseline != baseline:
+                return False
+            ratio = value / baseline
+            if self.baseline_ratio_above is not None and not ratio > self.baseline_ratio_above:
+                return False
+            if self.baseline_ratio_below is not None and not ratio < self.baseline_ratio_below:
+                return False
+        return True
+
+
+class DetectorSpec(BaseModel):
+    """Which detector judges the reduced series: ``type`` plus that detector's parameters,
+    side by side (``{type: baseline, warmup: 6, rel: 0.5}``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    type: str = Field(description="detector type: threshold, baseline, slope, ewma, cusum, ...")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.type}({inner})"
+
+
+class RuleSpec(_Strict):
+    """One rule: which series, which detector, how long, what it means and what to do."""
+
+    name: str = Field(
+        description="unique name across all loaded files; the alert's identity with its labels"
+    )
+    metric: str = Field(description="metric name, see agent/samples.py (custom metrics allowed)")
+    match: dict[str, Annotated[InstanceOf[LabelPattern], BeforeValidator(_parse_pattern)]] = Field(
+        default_factory=dict,
+        description="label -> glob or '~regex' (whole value); a series must carry each label",
+    )
+    reduce: ReduceSpec | None = Field(
+        default=None, description="combine series per step; omitted: one alert per label set"
+    )
+    detector: DetectorSpec = Field(description="detector type and its parameters")
+    for_: Annotated[InstanceOf[Duration], BeforeValidator(parse_duration)] = Field(
+        default=Duration(0),
+        alias="for",
+        description="evaluations (int) or 'N steps' the condition must hold before firing",
+    )
+    keep_firing_for: Annotated[InstanceOf[Duration], BeforeValidator(parse_duration)] = Field(
+        default=Duration(0),
+        description="evaluations (int) or 'N steps' to stay firing after the condition stops",
+    )
+    clear: ClearSpec | None = Field(
+        default=None, description="optional hysteresis: once firing, resolve only when it holds"
+    )
+    severity: SeverityName = Field(description="info | warning | critical")
+    family: Family = Field(description="fa_precision | router_instability | symptom")
+    actions: list[Annotated[InstanceOf[ActionSpec], BeforeValidator(parse_action)]] = Field(
+        default_factory=list,
+        description="action names or {name: {params}} mappings, run in order when it fires",
+    )
+    cooldown: Annotated[int, BeforeValidator(parse_steps)] = Field(
+        default=0, description="steps after resolving before the same alert may fire again"
+    )
+    summary: str = Field(
+        default="{metric} = {value:.4g} (baseline {baseline:.4g}, onset step {onset_step})",
+        description="one-line text; placeholders as in agent/rules/templates.py",
+    )
+    suggest: str = Field(default="", description="what a person should do; same placeholders")
+    enabled: bool = Field(default=True, description="false keeps the rule but never evaluates it")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_identifier(cls, name: str) -> str:
+        if not RULE_NAME.match(name):
+            raise ValueError(
+                f"invalid rule name {name!r}; use letters, digits, '_', '.', ':' or '-'"
+            )
+        return name
+
+    @field_validator("metric")
+    @classmethod
+    def _metric_is_name(cls, metric: str) -> str:
+        if not METRIC_NAME.match(metric):
+            raise ValueError(f"invalid metric name {metric!r}")
+        return metric
+
+    @field_validator("summary", "suggest")
+    @classmethod
+    def _template_is_valid(cls, template: str) -> str:
+        check_template(template)
+        return template
+
+
+class GroupSpec(_Strict):
+    """A named list of rules (names only organise the file; rule names are global)."""
+
+    name: str = Field(min_length=1, description="group name, unique within the file")
+    rules: list[RuleSpec] = Field(description="the group's rules")
+
+
+class RuleFileSpec(_Strict):
+    """A whole rule file."""
+
+    groups: list[GroupSpec] = Field(description="rule groups")

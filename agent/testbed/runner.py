@@ -1,0 +1,262 @@
+"""Scenario runner: build model, optimizer, schedule and data from a ScenarioConfig, train one
+step at a time, and write a JSONL record per step plus a summary.
+
+``TestbedRun`` is the training loop itself, one optimizer step per ``step()`` call, so that an
+agent can sit inside it (it exposes ``model``, ``optimizer``, ``scheduler``, ``step_index`` and
+``last_loss``). ``run_scenario`` drives it to the end and writes ``metrics.jsonl`` (one record
+per step; every ``monitor_every`` steps the record carries the monitors), ``summary.json``
+and, on request, ``plot.png``.
+
+Faults follow the step index: at the start of every step the run switches each fault on or
+off according to ``step_index >= fault_start``, so a rollback to a checkpoint from before the
+onset runs healthy again until ``fault_start``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from agent.testbed.data import MarkovSource
+from agent.testbed.divergence import degradation_step, divergence_step, ema
+from agent.testbed.model import MoETransformer
+from agent.testbed.recorder import MonitorRecorder
+from agent.testbed.scenarios import ScenarioConfig
+
+ROUTER_GROUP = "routers"
+OTHER_GROUP = "other"
+
+
+class TestbedRun:
+    """One seeded training run of the test bed; ``step()`` is one optimizer step."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, config: ScenarioConfig, *, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            self.model = MoETransformer(config.model).to(self.device)
+        self.source = MarkovSource(
+            config.model.vocab,
+            config.data_seed,
+            order=config.markov_order,
+            pool=config.markov_pool,
+            branching=config.markov_branching,
+        )
+        self.generator = torch.Generator().manual_seed(config.seed)
+        router_params = [m.gate.weight for m in self.model.moe_modules()]
+        router_ids = {id(p) for p in router_params}
+        other_params = [p for p in self.model.parameters() if id(p) not in router_ids]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": other_params, "name": OTHER_GROUP},
+                {"params": router_params, "name": ROUTER_GROUP},
+            ],
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            weight_decay=config.weight_decay,
+        )
+        multipliers = [self._lr_multiplier(router=False), self._lr_multiplier(router=True)]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, multipliers)
+        self.recorder = MonitorRecorder(self.model, config.monitor_every)
+        self.step_index = 0
+        self.last_loss: Tensor | None = None  # () cross-entropy of the last step, nats
+        self.last_aux_loss: Tensor | None = None  # () weighted balancing loss
+        self.last_grad_norm: Tensor | None = None  # () global grad norm before clipping
+        self.last_monitors: dict[str, dict[str, Any]] | None = None
+        self.fa_fault_active = False
+        self.router_fault_active = False
+
+    # --- faults -----------------------------------------------------------------------
+    def _fault_on(self, step: int) -> bool:
+        return step >= self.config.fault_start
+
+    def _lr_multiplier(self, *, router: bool):  # noqa: ANN202 - a LambdaLR factor
+        cfg = self.config
+
+        def factor(step: int) -> float:
+            warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+            if cfg.has_router_fault and self._fault_on(step):
+                warm *= cfg.lr_mult * (cfg.router_lr_mult if router else 1.0)
+            return warm
+
+        return factor
+
+    def _sync_faults(self) -> None:
+        on = self._fault_on(self.step_index)
+        fa_on = on and self.config.has_fa_fault
+        if fa_on != self.fa_fault_active:
+            self.model.set_attention_fault(self.config.attention_fault() if fa_on else None)
+            self.fa_fault_active = fa_on
+        router_on = on and self.config.has_router_fault
+        if router_on != self.router_fault_active:
+            coef = self.config.fault_balance_coef if router_on else None
+            self.model.balance_coef = self.config.model.balance_coef if coef is None else coef
+            self.router_fault_active = router_on
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the current step's batch (the router fault may shrink it)."""
+        if self.router_fault_active and self.config.fault_batch_size is not None:
+            return self.config.fault_batch_size
+        return self.config.batch_size
+
+    def lr(self, group: str = OTHER_GROUP) -> float:
+        for g in self.optimizer.param_groups:
+            if g["name"] == group:
+                return float(g["lr"])
+        raise ValueError(f"no parameter group named {group!r}")
+
+    # --- training ---------------------------------------------------------------------
+    def step(self) -> Tensor:
+        """One optimizer step; returns the step's cross-entropy loss (a 0-dim tensor)."""
+        self._sync_faults()
+        step = self.step_index
+        self.recorder.before_step(step)
+        batch = self.source.batch(self.batch_size, self.config.model.seq_len, self.generator)
+        batch = batch.to(self.device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+        logits, aux = self.model(inputs)  # (B, T, V), ()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        (loss + aux).backward()
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.last_monitors = self.recorder.after_step(step)
+        self.last_loss = loss.detach()
+        self.last_aux_loss = aux.detach()
+        self.last_grad_norm = grad_norm.detach()
+        self.step_index += 1
+        return self.last_loss
+
+    def weight_norm(self) -> Tensor:
+        """Global L2 norm of all parameters, a 0-dim tensor."""
+        norms = torch._foreach_norm([p.detach() for p in self.model.parameters()])
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def record(self, lr_before: float, lr_router_before: float) -> dict[str, Any]:
+        """The JSON record of the step just taken (see ``run_scenario``)."""
+        assert self.last_loss is not None and self.last_grad_norm is not None
+        rec: dict[str, Any] = {
+            "step": self.step_index - 1,
+            "loss": float(self.last_loss),
+            "aux_loss": float(self.last_aux_loss),
+            "grad_norm": float(self.last_grad_norm),
+            "weight_norm": float(self.weight_norm()),
+            "lr": lr_before,
+            "lr_router": lr_router_before,
+            "batch_size": self.batch_size,
+            "fa_fault": self.fa_fault_active,
+            "router_fault": self.router_fault_active,
+        }
+        if self.last_monitors is not None:
+            rec["monitors"] = self.last_monitors
+        return rec
+
+
+@dataclass
+class RunSummary:
+    """What one scenario run came to (written as summary.json)."""
+
+    scenario: str
+    seed: int
+    steps: int  # steps actually run
+    fault_start: int
+    divergence_step: int | None  # divergence.divergence_step of the loss
+    degradation_step: int | None  # divergence.degradation_step against the run's own minimum
+    nonfinite_step: int | None  # first step with a non-finite loss (the run stops there)
+    final_loss_ema: float
+    min_loss_ema: float
+    wall_seconds: float
+    ms_per_step: float
+    config: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_scenario(
+    config: ScenarioConfig,
+    out_dir: str | Path,
+    *,
+    plot: bool = False,
+    stop_on_nonfinite: bool = True,
+    progress_every: int = 0,
+) -> RunSummary:
+    """Run ``config`` to the end; write metrics.jsonl, summary.json (and plot.png if ``plot``).
+
+    Each JSONL record: step, loss (cross-entropy, nats), aux_loss, grad_norm (before clipping),
+    weight_norm, lr and lr_router (used in that step), batch_size, fa_fault, router_fault, and
+    on cadence steps ``monitors`` = {metric: {module name: value or per-head list}} with the
+    metric names of ``agent.samples``. ``progress_every > 0`` prints a line every so many steps.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    run = TestbedRun(config)
+    losses: list[float] = []
+    nonfinite: int | None = None
+    start = time.perf_counter()
+    with metrics_path.open("w") as f:
+        for _ in range(config.steps):
+            lr, lr_router = run.lr(OTHER_GROUP), run.lr(ROUTER_GROUP)
+            run.step()
+            rec = run.record(lr, lr_router)
+            f.write(json.dumps(rec) + "\n")
+            losses.append(rec["loss"])
+            if progress_every and rec["step"] % progress_every == 0:
+                tag = f"{config.scenario} seed {config.seed}"
+                print(f"[{tag}] step {rec['step']} loss {rec['loss']:.4f}")
+            if not math.isfinite(rec["loss"]):
+                nonfinite = rec["step"]
+                if stop_on_nonfinite:
+                    break
+    wall = time.perf_counter() - start
+    smooth = ema(losses)
+    finite_smooth = [v for v in smooth if math.isfinite(v)] or [math.nan]
+    files = {"metrics": str(metrics_path)}
+    summary = RunSummary(
+        scenario=config.scenario,
+        seed=config.seed,
+        steps=len(losses),
+        fault_start=config.fault_start,
+        divergence_step=divergence_step(losses),
+        degradation_step=degradation_step(losses),
+        nonfinite_step=nonfinite,
+        final_loss_ema=smooth[-1],
+        min_loss_ema=min(finite_smooth),
+        wall_seconds=wall,
+        ms_per_step=1000.0 * wall / max(1, len(losses)),
+        config=config.model_dump(mode="json"),
+        files=files,
+    )
+    if plot:
+        from agent.testbed.plot import plot_run
+
+        files["plot"] = str(plot_run(metrics_path, out / "plot.png", title=_title(config)))
+    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    return summary
+
+
+def _title(config: ScenarioConfig) -> str:
+    title = f"{config.scenario}, seed {config.seed}"
+    if config.has_fa_fault:
+        title += f", {'+'.join(config.fa_sites)} {config.fa_mode} {config.fa_bits} bits"
+    if config.has_router_fault:
+        title += f", router LR x{config.router_lr_mult:g}"
+    if config.scenario != "clean":
+        title += f", fault from step {config.fault_start}"
+    return title

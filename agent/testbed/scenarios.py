@@ -1,0 +1,165 @@
+"""Scenario configuration: one seeded training run of the test bed, with or without a fault.
+
+Scenarios (the fault is switched on at ``fault_start``; every scenario trains identically
+before it, so a run has a healthy start):
+
+- ``clean``: no fault.
+- ``fa_precision``: the attention backward rounds ``fa_sites`` to ``fa_bits`` mantissa bits
+  with the *biased* rounding ``fa_mode`` (floor, ceil, trunc or away).
+- ``control``: the same sites and bits with unbiased round-to-nearest-even: the control arm
+  of ``fa_precision``, which must stay healthy (the bias is the fault, not the precision).
+- ``router_instability``: the router learning rate is multiplied by ``router_lr_mult`` (all
+  learning rates by ``lr_mult``), the batch shrinks to ``fault_batch_size`` and the
+  balancing loss weight becomes ``fault_balance_coef``.
+- ``combined``: both faults at once.
+
+``ScenarioConfig.preset(name, seed=..., steps=...)`` returns the documented defaults
+(docs/testbed.md has the measurements behind them); ``scale="tiny"`` gives a shortened
+version (a smaller model, 400 steps, fault at 150, a stronger FA knob because the run is
+short) that runs in a few seconds, used by the test suite and the demo.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agent.testbed.attention import FAULT_SITES, AttentionFault
+from agent.testbed.lowprec import UNBIASED_MODES, RoundingMode
+from agent.testbed.model import TestbedConfig
+
+ScenarioName = Literal["clean", "control", "fa_precision", "router_instability", "combined"]
+SCENARIOS: tuple[str, ...] = get_args(ScenarioName)
+FA_SCENARIOS = frozenset({"control", "fa_precision", "combined"})
+ROUTER_SCENARIOS = frozenset({"router_instability", "combined"})
+
+
+class ScenarioConfig(BaseModel):
+    """Everything that defines one test-bed run. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- the run
+    scenario: ScenarioName = Field("clean", description="which fault, if any")
+    seed: int = Field(0, description="model init and batch sampling seed")
+    steps: int = Field(2000, ge=1, description="optimizer steps")
+    model: TestbedConfig = Field(default_factory=TestbedConfig, description="model shape")
+    # --- data (the same Markov chain for every seed, so that seeds are comparable)
+    data_seed: int = Field(1234, description="seed of the Markov chain itself")
+    markov_order: int = Field(2, ge=1, description="tokens of context that set the next token")
+    markov_pool: int = Field(16, ge=1, description="candidate successors per last token")
+    markov_branching: int = Field(4, ge=1, description="successors per full context")
+    # --- optimization (AdamW, linear warm-up then constant)
+    batch_size: int = Field(16, ge=1, description="sequences per step (healthy)")
+    lr: float = Field(1e-2, gt=0, description="peak learning rate of every parameter group")
+    warmup_steps: int = Field(100, ge=0, description="linear warm-up steps")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    grad_clip: float | None = Field(1.0, gt=0, description="global grad-norm clip; None = off")
+    # --- measurement
+    monitor_every: int = Field(50, ge=1, description="monitor cadence = snapshot interval, steps")
+    # --- faults
+    fault_start: int = Field(500, ge=0, description="first step with the fault switched on")
+    fa_sites: tuple[str, ...] = Field(("dS",), description=f"rounded sites, from {FAULT_SITES}")
+    fa_bits: int = Field(5, ge=0, le=23, description="mantissa bits kept at the fault sites")
+    fa_mode: RoundingMode = Field("floor", description="rounding mode (rne = unbiased control)")
+    router_lr_mult: float = Field(1.0, gt=0, description="router LR multiplier under the fault")
+    lr_mult: float = Field(1.0, gt=0, description="all-groups LR multiplier under the fault")
+    fault_batch_size: int | None = Field(None, ge=1, description="batch under the fault")
+    fault_balance_coef: float | None = Field(
+        None, ge=0, description="balancing loss weight under the fault (None = unchanged)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ScenarioConfig:
+        if self.scenario == "control" and self.fa_mode not in UNBIASED_MODES:
+            raise ValueError(
+                f"scenario 'control' needs unbiased rounding (fa_mode 'rne'), got {self.fa_mode!r}"
+            )
+        if self.scenario in ("fa_precision", "combined") and self.fa_mode in UNBIASED_MODES:
+            raise ValueError(
+                f"scenario {self.scenario!r} needs a biased fa_mode, got {self.fa_mode!r} "
+                "(unbiased rounding is the 'control' scenario)"
+            )
+        AttentionFault(sites=self.fa_sites, bits=self.fa_bits, mode=self.fa_mode)  # validates
+        if self.markov_branching > self.markov_pool:
+            raise ValueError(
+                f"markov_branching ({self.markov_branching}) must be <= markov_pool "
+                f"({self.markov_pool})"
+            )
+        return self
+
+    @property
+    def has_fa_fault(self) -> bool:
+        return self.scenario in FA_SCENARIOS
+
+    @property
+    def has_router_fault(self) -> bool:
+        return self.scenario in ROUTER_SCENARIOS
+
+    def attention_fault(self) -> AttentionFault:
+        return AttentionFault(sites=self.fa_sites, bits=self.fa_bits, mode=self.fa_mode)
+
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        *,
+        seed: int = 0,
+        steps: int | None = None,
+        scale: Literal["default", "tiny"] = "default",
+        **overrides: Any,
+    ) -> ScenarioConfig:
+        """The documented configuration of scenario ``name`` (keyword overrides win)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown scenario {name!r}; choose one of {SCENARIOS}")
+        if scale not in SCALES:
+            raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
+        fields: dict[str, Any] = dict(PRESETS[name])
+        fields.update(SCALES[scale])
+        if scale == "tiny" and name in FA_SCENARIOS:
+            fields["fa_bits"] = TINY_FA_BITS
+        fields.update(seed=seed, **overrides)
+        if steps is not None:
+            fields["steps"] = steps
+        return cls(scenario=name, **fields)
+
+
+# Fault knobs of each preset; everything else is the ScenarioConfig default.
+_FA_KNOBS: dict[str, Any] = {"fa_sites": ("dS",), "fa_bits": 6, "fa_mode": "floor"}
+_ROUTER_KNOBS: dict[str, Any] = {"router_lr_mult": 30.0, "fault_balance_coef": 0.0}
+# The shortened scale: every knob not listed keeps its default. The FA fault keeps 3 bits (not
+# 6) so that its effect shows within 300 steps of the fault.
+TINY_FA_BITS = 3
+SCALES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tiny": {
+        "model": TestbedConfig(
+            vocab=64,
+            d_model=32,
+            n_layers=2,
+            n_heads=2,
+            n_kv_heads=2,
+            n_experts=4,
+            top_k=2,
+            d_expert=64,
+            seq_len=32,
+        ),
+        "steps": 400,
+        "batch_size": 8,
+        "warmup_steps": 20,
+        "monitor_every": 10,
+        "markov_pool": 8,
+        "markov_branching": 3,
+        "fault_start": 150,
+    },
+}
+PRESETS: dict[str, dict[str, Any]] = {
+    "clean": {},
+    "fa_precision": dict(_FA_KNOBS),
+    "control": {**_FA_KNOBS, "fa_mode": "rne"},
+    "router_instability": dict(_ROUTER_KNOBS),
+    "combined": {**_FA_KNOBS, **_ROUTER_KNOBS},
+}

@@ -1,0 +1,195 @@
+"""Hyper-parameter requests: router fixes that only the training loop can carry out.
+
+Raising the load-balancing (or z-loss) coefficient or the gradient accumulation changes code
+the agent does not own, so the agent *requests* a new value and the loop reads it each step::
+
+    coef = agent.hparams.get("balance_loss_coef", 0.01)
+    accum = int(agent.hparams.get("grad_accum_steps", 8))
+    loss = lm_loss + coef * balance_loss
+
+``get(name, default)`` returns the requested value, or ``default`` while nothing was requested
+(and remembers ``default`` as the value a first "multiply" request starts from). Actions:
+
+- ``request_hparam``: ``{name, op: multiply|set, value, max, min, integer, base}``.
+- ``raise_balance_coef``: multiply ``balance_loss_coef`` by ``factor`` (default 2), capped by
+  ``max`` (default 1.0).
+- ``raise_grad_accum``: multiply ``grad_accum_steps`` by ``factor`` (default 2), rounded up to
+  an integer, capped by ``max`` (default 64).
+
+The values are part of the runner's state (saved with the agent), so they survive restarts and
+rollbacks. The runner passes the store to the actions as ``ActionContext.extras["hparams"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
+
+HPARAMS_EXTRA = "hparams"  # ActionContext.extras key of the HyperparameterRequests store
+BALANCE_COEF = "balance_loss_coef"
+GRAD_ACCUM = "grad_accum_steps"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+class HyperparameterRequests:
+    """Named values the agent requests and the training loop reads each step."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, float] = {}  # requested values
+        self._defaults: dict[str, float] = {}  # what the loop passed to get() last
+
+    def get(self, name: str, default: float) -> float:
+        """The requested value of ``name``, else ``default``. Cheap: two dict operations."""
+        self._defaults[name] = default
+        return self._values.get(name, default)
+
+    def current(self, name: str) -> float | None:
+        """The requested value, else the loop's last default, else None."""
+        return self._values.get(name, self._defaults.get(name))
+
+    def requested(self) -> dict[str, float]:
+        return dict(self._values)
+
+    def set(self, name: str, value: float) -> None:
+        if not _NAME.match(name):
+            raise ValueError(f"hyper-parameter name {name!r} is not an identifier")
+        if not math.isfinite(value):
+            raise ValueError(f"hyper-parameter {name}: value must be finite, got {value}")
+        self._values[name] = value
+
+    def clear(self, name: str | None = None) -> None:
+        """Drop one request (or all): the loop's defaults apply again."""
+        if name is None:
+            self._values.clear()
+        else:
+            self._values.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": dict(self._values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        values = state.get("values", {})
+        if not isinstance(values, dict) or not all(
+            isinstance(k, str) and isinstance(v, int | float) for k, v in values.items()
+        ):
+            raise ValueError(f"hyper-parameter requests state: bad values {values!r}")
+        self._values = {k: v for k, v in values.items()}
+
+
+class RequestHparamParams(ActionParams):
+    model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
+
+    name: str = Field(pattern=_NAME.pattern, description="the name the loop reads")
+    op: Literal["multiply", "set"] = Field("multiply", description="multiply or set the value")
+    value: float = Field(description="the factor (multiply) or the new value (set)")
+    max: float | None = Field(None, description="cap: never request more than this")
+    min: float | None = Field(None, description="never request less than this")
+    integer: bool = Field(False, description="round up to an integer (accumulation steps)")
+    base: float | None = Field(
+        None,
+        description="start value for multiply when neither a request nor a loop default exists",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RequestHparamParams:
+        if not math.isfinite(self.value) or (self.op == "multiply" and self.value <= 0):
+            raise ValueError(f"value must be finite (and > 0 to multiply), got {self.value}")
+        if self.max is not None and self.min is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) > max ({self.max})")
+        return self
+
+
+def _new_value(current: float | None, p: RequestHparamParams) -> float:
+    if p.op == "set":
+        value = p.value
+    else:
+        start = current if current is not None else p.base
+        if start is None:
+            raise ValueError(
+                f"cannot multiply {p.name!r}: nothing requested yet, the loop has not read it "
+                "(hparams.get) and no 'base' was given"
+            )
+        value = start * p.value
+    if p.integer:
+        value = float(math.ceil(value - 1e-9))
+    if p.max is not None:
+        value = min(value, p.max)
+    if p.min is not None:
+        value = max(value, p.min)
+    return value
+
+
+class RequestHparam(Action):
+    """Request a new value for a named hyper-parameter the training loop reads."""
+
+    name = "request_hparam"
+    Params = RequestHparamParams
+
+    def _params(self, params: ActionParams) -> RequestHparamParams:
+        assert isinstance(params, RequestHparamParams)
+        return params
+
+    def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
+        p = self._params(params)
+        store = ctx.extras.get(HPARAMS_EXTRA)
+        if not isinstance(store, HyperparameterRequests):
+            raise ValueError(
+                f"{self.name} needs the hyper-parameter store in ActionContext.extras"
+                f"[{HPARAMS_EXTRA!r}] (the ActionRunner provides it)"
+            )
+        current = store.current(p.name)
+        value = _new_value(current, p)
+        capped = p.max is not None and value == p.max
+        detail = (
+            f"request {p.name} = {value:g} (was {current if current is None else f'{current:g}'})"
+        )
+        if capped:
+            detail += f" [at cap {p.max:g}]"
+        if not ctx.dry_run:
+            store.set(p.name, value)
+        return ActionOutcome(detail, {p.name: current}, {p.name: value})
+
+
+class RaiseBalanceCoefParams(ActionParams):
+    model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
+
+    factor: float = Field(2.0, gt=1.0, description="multiply the balancing-loss coefficient")
+    max: float = Field(1.0, gt=0.0, description="cap")
+    name: str = Field(BALANCE_COEF, pattern=_NAME.pattern, description="the name the loop reads")
+
+
+class RaiseBalanceCoef(RequestHparam):
+    """Multiply the load-balancing loss coefficient (the loop reads ``balance_loss_coef``)."""
+
+    name = "raise_balance_coef"
+    Params = RaiseBalanceCoefParams
+
+    def _params(self, params: ActionParams) -> RequestHparamParams:
+        assert isinstance(params, RaiseBalanceCoefParams)
+        return RequestHparamParams(name=params.name, value=params.factor, max=params.max)
+
+
+class RaiseGradAccumParams(ActionParams):
+    model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
+
+    factor: float = Field(2.0, gt=1.0, description="multiply the gradient accumulation steps")
+    max: int = Field(64, ge=1, description="cap")
+    name: str = Field(GRAD_ACCUM, pattern=_NAME.pattern, description="the name the loop reads")
+
+
+class RaiseGradAccum(RequestHparam):
+    """Multiply the gradient accumulation (global batch); the loop reads ``grad_accum_steps``."""
+
+    name = "raise_grad_accum"
+    Params = RaiseGradAccumParams
+
+    def _params(self, params: ActionParams) -> RequestHparamParams:
+        assert isinstance(params, RaiseGradAccumParams)
+        return RequestHparamParams(
+            name=params.name, value=params.factor, max=float(params.max), integer=True
+        )

@@ -1,0 +1,183 @@
+"""The agent inside a real PyTorch training loop on the test-bed model."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.agent import Agent
+from agent.config import AgentConfig
+from agent.config_file import load_agent_config
+from agent.eventlog import read_events
+from agent.rules.errors import RuleFileErrors
+from agent.testbed.runner import TestbedRun
+from agent.testbed.scenarios import ScenarioConfig
+
+
+def _run(scenario: str = "clean", steps: int = 100, **overrides) -> TestbedRun:
+    torch.manual_seed(0)
+    cfg = ScenarioConfig.preset(scenario, seed=0, steps=steps, monitor_every=10**9, **overrides)
+    return TestbedRun(cfg)
+
+
+def _config(tmp_path: Path, **kw) -> AgentConfig:
+    base = {"run_dir": tmp_path / "run", "notify": {"console": "never"}}
+    base.update(kw)
+    return AgentConfig.model_validate(base)
+
+
+def test_defaults_work_with_model_and_optimizer_alone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = _run()
+    with Agent(run.model, run.optimizer) as agent:
+        assert [s.name for s in agent.attention_sites] == ["blocks.0.attn", "blocks.1.attn"]
+        assert [s.name for s in agent.router_sites] == ["blocks.0.moe.gate", "blocks.1.moe.gate"]
+        for step in range(60):
+            loss = run.step()
+            assert agent.step(step, loss=loss, grad_norm=run.last_grad_norm) == step + 1
+        metrics = agent.latest_metrics()
+    assert metrics["loss"] == pytest.approx(float(run.last_loss), abs=0.5)
+    assert metrics["grad_norm"] > 0
+    assert "qk_delta2_entropy{head=3,layer=blocks.1.attn}" in metrics
+    assert "router_entropy_norm{router=blocks.0.moe.gate}" in metrics
+    kinds = {e["kind"] for e in read_events(tmp_path / "mechwatch_runs/run/events.jsonl")}
+    assert {"start", "metrics", "stop"} <= kinds
+
+
+def test_monitor_results_are_applied_at_a_deterministic_step(tmp_path):
+    """A QK result measured at step t enters the rules at t + apply_lag, never earlier/later."""
+    run = _run()
+    cfg = _config(tmp_path, qk={"delta": 10}, scheduling={"apply_lag": 3})
+    agent = Agent(run.model, run.optimizer, config=cfg)
+    seen_at: dict[int, int] = {}
+    for step in range(45):
+        agent.step(step, loss=run.step())
+        time.sleep(0.002)  # give the monitor thread every chance to finish early
+        for s, _ in agent.store.series(
+            "qk_delta2_entropy", (("head", "0"), ("layer", "blocks.0.attn"))
+        ):
+            seen_at.setdefault(s, step)
+    agent.close()
+    # Snapshots at 0, 10, 20, 30, 40: increments measured at 10, 20, 30 (40 is due at 43).
+    assert seen_at == {10: 13, 20: 23, 30: 33, 40: 43}
+
+
+def test_agent_failure_never_reaches_the_training_loop(tmp_path, monkeypatch):
+    run = _run()
+    agent = Agent(run.model, run.optimizer, config=_config(tmp_path, qk={"delta": 5}))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("monitor exploded")
+
+    monkeypatch.setattr("agent.agent.compute_qk_samples", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(30):
+            agent.step(step, loss=run.step())
+    agent.close()
+    messages = [str(w.message) for w in caught if "monitor exploded" in str(w.message)]
+    assert len(messages) == 1, messages  # reported once, then skipped
+    errors = [e for e in read_events(tmp_path / "run/events.jsonl") if e["kind"] == "error"]
+    assert any("monitor exploded" in e["error"] for e in errors)
+    assert "loss" in agent.latest_metrics()  # the rest kept working
+
+
+def test_broken_rule_file_fails_at_construction(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups:\n  - name: g\n    rules:\n      - name: r\n        metric: loss\n")
+    run = _run(steps=1)
+    with pytest.raises(RuleFileErrors, match=r"bad.yaml:4:\d+: group 'g', rule 'r'"):
+        Agent(run.model, run.optimizer, config=_config(tmp_path, rules=[bad]))
+
+
+def test_config_file_errors_are_located_and_paths_relative(tmp_path):
+    path = tmp_path / "mechwatch.yaml"
+    path.write_text("run_name: demo\nqk:\n  delta: 0\n  bogus: 1\nrun_dir: out\n")
+    with pytest.raises(RuleFileErrors) as info:
+        load_agent_config(path)
+    text = str(info.value)
+    assert f"{path}:3:10: field 'qk.delta': must be >= 1, got 0" in text
+    assert f"{path}:4:3: field 'qk.bogus': unknown field" in text
+    path.write_text("qk: {delta: 2.5}\nqk: {orders: [2]}\n")
+    with pytest.raises(RuleFileErrors) as info:
+        load_agent_config(path)
+    assert f"{path}:2:1: field 'qk': duplicate key (first at line 1)" in str(info.value)
+    assert f"{path}:1:13: field 'qk.delta': expected an integer, got 2.5" in str(info.value)
+    path.write_text("qk: {delta: 1e1}\n")  # 1e-style numbers are numbers, not strings
+    assert load_agent_config(path).qk.delta == 10
+    path.write_text("run_name: demo\nrun_dir: out\nrules: [mine.yaml]\n")
+    cfg = load_agent_config(path)
+    assert cfg.run_dir == tmp_path / "out" and cfg.rules == [tmp_path / "mine.yaml"]
+
+
+def test_config_errors_never_echo_a_slack_token(tmp_path):
+    path = tmp_path / "mechwatch.yaml"
+    path.write_text("notify:\n  slack:\n    bot_tokn: xoxb-123-secret\n    base_url: 5\n")
+    with pytest.raises(RuleFileErrors) as info:
+        load_agent_config(path)
+    assert "xoxb-123-secret" not in str(info.value)
+    assert "field 'notify.slack.bot_tokn': unknown field" in str(info.value)
+
+
+def test_watchdog_pages_a_hung_run_from_the_rule(tmp_path):
+    rules = tmp_path / "hung.yaml"
+    rules.write_text(
+        "groups:\n  - name: g\n    rules:\n"
+        "      - name: hung_run\n        metric: seconds_since_step\n"
+        "        detector: {type: threshold, above: 0.3}\n        for: 0\n"
+        "        severity: critical\n        family: symptom\n"
+        "        summary: 'no step for {value:.1f} s'\n"
+    )
+    run = _run(steps=3)
+    cfg = _config(tmp_path, rules=[rules], watchdog={"check_every_s": 0.1})
+    agent = Agent(run.model, run.optimizer, config=cfg)
+    agent.step(0, loss=run.step())
+    deadline = time.monotonic() + 5
+    pages = []
+    while time.monotonic() < deadline and not pages:
+        time.sleep(0.1)
+        pages = [e for e in read_events(tmp_path / "run/events.jsonl") if e["kind"] == "page"]
+    loss = run.step()
+    for step in range(1, 20):  # the run resumes: the hung incident resolves
+        agent.step(step, loss=loss)
+        time.sleep(0.05)
+    agent.close()
+    events = read_events(tmp_path / "run/events.jsonl")
+    incidents = [e for e in events if e["kind"] == "incident"]
+    assert [e["event"] for e in incidents] == ["opened", "resolved"], incidents
+    assert incidents[0]["incident"]["evidence"][0]["rule"] == "hung_run"
+    assert pages, "the hung run was not paged"
+
+
+def test_state_round_trip_does_not_repage_an_open_incident(tmp_path):
+    rules = tmp_path / "loss.yaml"
+    rules.write_text(
+        "groups:\n  - name: g\n    rules:\n"
+        "      - name: always\n        metric: loss\n"
+        "        detector: {type: threshold, above: 0.0}\n        for: 0\n"
+        "        severity: warning\n        family: symptom\n"
+    )
+    run = _run(steps=30)
+    cfg = _config(tmp_path, rules=[rules], symptoms={"every": 5})
+    agent = Agent(run.model, run.optimizer, config=cfg)
+    for step in range(11):
+        agent.step(step, loss=run.step())
+    state = json.loads(json.dumps(agent.state_dict()))  # JSON-serializable
+    opened = agent.incident
+    agent.close()
+    assert opened is not None and opened.family == "unattributed"
+
+    cfg2 = _config(tmp_path, rules=[rules], symptoms={"every": 5}, run_dir=tmp_path / "run2")
+    resumed = Agent(run.model, run.optimizer, config=cfg2)
+    resumed.load_state_dict(state)
+    for step in range(11, 21):
+        resumed.step(step, loss=run.step())
+    resumed.close()
+    incidents = [e for e in read_events(tmp_path / "run2/events.jsonl") if e["kind"] == "incident"]
+    assert incidents == []  # no new "opened" page for the same, still firing incident
+    assert resumed.incident is not None and resumed.incident.id == opened.id
