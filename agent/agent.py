@@ -41,8 +41,9 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent import samples as m
-from agent.attribution import Attributor, FiringAlert
+from agent.attribution import Attributor
 from agent.config import AgentConfig
+from agent.decisions import decide
 from agent.discovery import find_attention, find_routers
 from agent.eventlog import EventLog
 from agent.incidents import Incident, IncidentEvent, RunContext
@@ -297,17 +298,15 @@ class Agent:
         return out
 
     def _ingest(self, step: int, new: list[Sample]) -> None:
-        self.store.extend(new)
         self._evaluations += 1
         if self._evaluations % self.config.metrics_every == 0:
             self.events.write(
                 "metrics", step, samples=[[s.step, s.metric, s.label_dict, s.value] for s in new]
             )
-        now = time.time()
-        transitions = self.engine.evaluate(step, now)
-        for problem in self.engine.take_problems():
+        decisions = decide(self.engine, self.attributor, step, new, time.time())
+        for problem in decisions.problems:
             self._report_text(f"rule {problem.rule}", problem.error)
-        for t in transitions:
+        for t in decisions.transitions:
             self.events.write(
                 "alert",
                 step,
@@ -318,16 +317,9 @@ class Agent:
                 baseline=t.alert.baseline,
                 onset_step=t.alert.onset_step,
             )
-        if not transitions and self.attributor.open is None:
-            return
-        firing = [
-            FiringAlert(a.to_evidence(), tuple((s.name, dict(s.params)) for s in a.actions))
-            for a in self.engine.firing()
-        ]
-        update = self.attributor.update(step, firing)
-        for event in update.events:
+        for event in decisions.events:
             self._page(event)
-        for request in update.action_requests:
+        for request in decisions.action_requests:
             self._run_action(step, request)
 
     # ------------------------------------------------------------------ actions and pages
@@ -431,7 +423,8 @@ class Agent:
         return [p for site in self.router_sites for p in site.module.parameters()]
 
     def _audit(self, record: dict[str, Any]) -> None:
-        self.events.write("action", record.get("step", -1), **record)
+        payload = {k: v for k, v in record.items() if k not in ("step", "kind")}
+        self.events.write("action", record.get("step", -1), **payload)
 
     def _raise_if_halted(self) -> None:
         halt = self.actions.halt

@@ -9,8 +9,10 @@ from collections.abc import Callable
 # sub-command -> ("module:function", one-line help). Each function takes argv and returns an
 # exit code; modules are imported only when their command runs (keeps `mechwatch --help` fast).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("agent.demo:cli_demo", "watch the agent catch, attribute and fix a fault"),
     "validate": ("agent.rules.validate:cli_validate", "check rule files; print every error"),
     "rules": ("agent.rules.validate:cli_list", "list the loaded rules"),
+    "replay": ("agent.replay:cli_replay", "replay a recorded run through rule files"),
     "slack-test": ("agent.notify.slack_test:cli_slack_test", "send a test page"),
     "testbed": ("agent.testbed.cli:cli_testbed", "run one fault-injection scenario"),
 }

@@ -160,6 +160,9 @@ class RaiseBalanceCoefParams(ActionParams):
 
     factor: float = Field(2.0, gt=1.0, description="multiply the balancing-loss coefficient")
     max: float = Field(1.0, gt=0.0, description="cap")
+    min: float = Field(
+        0.0, ge=0.0, description="request at least this (a coefficient of 0 times a factor is 0)"
+    )
     name: str = Field(BALANCE_COEF, pattern=_NAME.pattern, description="the name the loop reads")
 
 
@@ -171,7 +174,9 @@ class RaiseBalanceCoef(RequestHparam):
 
     def _params(self, params: ActionParams) -> RequestHparamParams:
         assert isinstance(params, RaiseBalanceCoefParams)
-        return RequestHparamParams(name=params.name, value=params.factor, max=params.max)
+        return RequestHparamParams(
+            name=params.name, value=params.factor, max=params.max, min=params.min or None
+        )
 
 
 class RaiseGradAccumParams(ActionParams):

@@ -311,9 +311,8 @@ def test_router_fault_collapses_routing_entropy_with_attention_quiet(
 
 
 def test_fp32_backward_remediation_removes_the_fault_per_layer() -> None:
-    from remediations.attention import attention_precision
-
     from agent.testbed.attention import AttentionFault
+    from remediations.attention import attention_precision
 
     torch.manual_seed(0)
     model = MoETransformer(SMALL)

@@ -299,6 +299,8 @@ class RuleEngine:
         now: float,
         out: list[AlertTransition],
     ) -> None:
+        if step < runtime.rule.spec.start_step:
+            return  # the rule does not look at the early phase
         group = runtime.groups.get(group_labels)
         if group is None:
             group = runtime.groups[group_labels] = self._new_group(runtime.rule, group_labels)

@@ -282,6 +282,12 @@ class RuleSpec(_Strict):
         default_factory=list,
         description="action names or {name: {params}} mappings, run in order when it fires",
     )
+    start_step: Annotated[int, BeforeValidator(parse_steps)] = Field(
+        default=0,
+        ge=0,
+        description="ignore samples measured before this step (the early phase, e.g. the LR "
+        "warm-up, when healthy monitors move fast); the detector's warm-up starts after it",
+    )
     cooldown: Annotated[int, BeforeValidator(parse_steps)] = Field(
         default=0, description="steps after resolving before the same alert may fire again"
     )

@@ -1,0 +1,129 @@
+"""Remediation on the test bed: fault runs with the default rules and actions on, against the
+clean run and the unremediated (detect-only) run of the same seed.
+
+Run: python benchmarks/remediation.py [--steps 1500] [--seeds 0 1 2] [--root out/lead_time]
+         [--out benchmarks/results/remediation.md]
+
+Clean and detect-only runs are taken from --root when benchmarks/lead_time.py recorded them
+(same steps), else run here. Reported per run: the actions applied, steps rolled back, the
+final loss (mean of the last 100 steps) against the clean run, the loss-divergence step with
+and without the agent, and for router faults the routing entropy at the end against the clean
+run's band.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from agent.eventlog import read_events
+from agent.testbed.scenarios import ScenarioConfig
+from agent.testbed.supervised import default_agent_config, run_supervised, set_threads
+
+
+def _recorded(root: Path, scenario: str, seed: int, steps: int) -> dict:
+    folder = root / f"{scenario}_s{seed}"
+    result = folder / "result.json"
+    if result.exists():
+        data = json.loads(result.read_text())
+        if data["steps"] == steps:
+            return data
+    config = default_agent_config(folder, remediate=False, checkpoints={"enabled": False})
+    data = run_supervised(ScenarioConfig.preset(scenario, seed=seed, steps=steps), config).to_dict()
+    folder.mkdir(parents=True, exist_ok=True)
+    result.write_text(json.dumps(data, default=str))
+    return data
+
+
+def _final_router_entropy(events: Path) -> dict[str, float]:
+    """Mean normalized routing entropy per router over the last 4 read-outs."""
+    per: dict[str, list[float]] = {}
+    for e in read_events(events, kinds=("metrics",)):
+        for _, metric, labels, value in e["samples"]:
+            if metric == "router_entropy_norm":
+                per.setdefault(labels["router"], []).append(value)
+    return {k: sum(v[-4:]) / len(v[-4:]) for k, v in per.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--scenarios", nargs="+", default=["fa_precision", "router_instability"])
+    p.add_argument("--root", type=Path, default=Path("out/lead_time"))
+    p.add_argument("--work", type=Path, default=Path("out/remediation"))
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    set_threads(1)
+    cols = [
+        "scenario",
+        "seed",
+        "actions applied",
+        "rolled back",
+        "final loss",
+        "clean",
+        "gap",
+        "detect-only final",
+        "divergence (detect-only)",
+        "divergence (agent)",
+        "router H end",
+        "router H clean end",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    gaps = []
+    for scenario in args.scenarios:
+        for seed in args.seeds:
+            clean = _recorded(args.root, "clean", seed, args.steps)
+            detect = _recorded(args.root, scenario, seed, args.steps)
+            folder = args.work / f"{scenario}_s{seed}"
+            config = default_agent_config(folder, remediate=True)
+            result = run_supervised(
+                ScenarioConfig.preset(scenario, seed=seed, steps=args.steps), config
+            )
+            applied = [a["action"] for a in result.actions if a.get("status") == "applied"]
+            gap = result.final_loss() / clean["final_loss"] - 1
+            gaps.append((scenario, seed, gap))
+            h_end = _final_router_entropy(folder / "events.jsonl")
+            h_clean = _final_router_entropy(args.root / f"clean_s{seed}" / "events.jsonl")
+            row = [
+                scenario,
+                seed,
+                ", ".join(applied) or "-",
+                result.rolled_back_steps,
+                f"{result.final_loss():.4f}",
+                f"{clean['final_loss']:.4f}",
+                f"{gap:+.1%}",
+                f"{detect['final_loss']:.4f}",
+                detect["divergence_step"],
+                result.divergence_step,
+                " / ".join(f"{v:.2f}" for v in h_end.values()),
+                " / ".join(f"{v:.2f}" for v in h_clean.values()),
+            ]
+            lines.append("| " + " | ".join("-" if x is None else str(x) for x in row) + " |")
+            print(lines[-1], flush=True)
+    header = [
+        f"Command: `python benchmarks/remediation.py --steps {args.steps} --seeds "
+        f"{' '.join(map(str, args.seeds))}`",
+        f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, Python {sys.version.split()[0]}",
+        "",
+    ]
+    within = sum(1 for _, _, g in gaps if abs(g) <= 0.05)
+    summary = ["", f"- final loss within 5% of the clean run: {within} of {len(gaps)} runs"]
+    text = "\n".join(header + lines + summary)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
