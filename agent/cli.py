@@ -10,12 +10,27 @@ from collections.abc import Callable
 # exit code; modules are imported only when their command runs (keeps `mechwatch --help` fast).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("agent.demo:cli_demo", "watch the agent catch, attribute and fix a fault"),
-    "validate": ("agent.rules.validate:cli_validate", "check rule files; print every error"),
-    "rules": ("agent.rules.validate:cli_list", "list the loaded rules"),
+    "validate": ("agent.cli:validate", "check rule files; print every error"),
+    "rules": ("agent.cli:list_rules", "list the loaded rules"),
     "replay": ("agent.replay:cli_replay", "replay a recorded run through rule files"),
     "slack-test": ("agent.notify.slack_test:cli_slack_test", "send a test page"),
     "testbed": ("agent.testbed.cli:cli_testbed", "run one fault-injection scenario"),
 }
+
+
+def validate(argv: list[str]) -> int:
+    """``mechwatch validate``: rule files checked against the action registry too."""
+    from agent.rules.validate import cli_validate
+    from remediations.registry import validate_action
+
+    return cli_validate(argv, action_validator=validate_action)
+
+
+def list_rules(argv: list[str]) -> int:
+    from agent.rules.validate import cli_list
+    from remediations.registry import validate_action
+
+    return cli_list(argv, action_validator=validate_action)
 
 
 def _resolve(target: str) -> Callable[[list[str]], int]:

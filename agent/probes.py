@@ -28,6 +28,7 @@ from agent import samples as m
 from agent.discovery import AttentionSite, RouterSite
 from agent.monitors import (
     qk_increment_spectrum,
+    qk_monitor_spectra,
     router_conditioning_ratio,
     router_similarity,
     routing_entropy,
@@ -238,28 +239,37 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
     if job.ready is not None:
         job.ready.synchronize()
     site, heads = job.site, job.heads
-    d = site.d_model
-    wq0, wk0 = site.factors(job.previous, heads)  # (n, d, d_h) each
+    d, dh = site.d_model, site.head_dim
+    wq0, wk0 = site.factors(job.previous, heads)  # (n, d, d_h) each; wk paired with each head
     wq1, wk1 = site.factors(job.current, heads)
-    out: list[Sample] = []
+    if d >= 2 * dh:  # one QR pair gives everything
+        spectra = qk_monitor_spectra(wq0, wk0, wq1, wk1)
+        deltas = {1: spectra.delta1, 2: spectra.delta2, 3: spectra.delta3}
+        dwq, dwk, wq_norm = spectra.dwq, spectra.dwk, spectra.wq_norm
+    else:  # tiny heads relative to the width: the separate monitors
+        deltas = {o: qk_increment_spectrum(wq0, wk0, wq1, wk1, order=o) for o in (1, 2, 3)}
+        dwq, dwk = update_spectrum(wq0, wq1), update_spectrum(wk0, wk1)
+        wq_norm = torch.linalg.matrix_norm(wq1, ord=2)
     names = {1: m.QK_DELTA1_ENTROPY, 2: m.QK_DELTA2_ENTROPY, 3: m.QK_DELTA3_ENTROPY}
     per_head: dict[str, list[float]] = {}
     for order in orders:
-        stats = spectrum_stats(qk_increment_spectrum(wq0, wk0, wq1, wk1, order=order), shape=(d, d))
+        stats = spectrum_stats(deltas[order], shape=(d, d))
         per_head[names[order]] = stats.entropy.tolist()
         if order == 2:
             per_head[m.QK_DELTA2_STABLE_RANK] = stats.stable_rank.tolist()
             per_head[m.QK_DELTA2_FROBENIUS] = stats.frobenius.tolist()
-    dq = spectrum_stats(update_spectrum(wq0, wq1), shape=(d, site.head_dim))
-    per_head[m.DWQ_ENTROPY] = dq.entropy.tolist()
-    per_head[m.WQ_SPECTRAL_NORM] = torch.linalg.matrix_norm(wq1, ord=2).tolist()
+    per_head[m.DWQ_ENTROPY] = spectrum_stats(dwq, shape=(d, dh)).entropy.tolist()
+    per_head[m.WQ_SPECTRAL_NORM] = wq_norm.tolist()
+    out: list[Sample] = []
     for metric, values in per_head.items():
         for h, value in zip(heads, values, strict=True):
             out.append(Sample.make(job.step, metric, value, layer=site.name, head=h))
-    kv_heads = sorted({site.kv_head(h) for h in heads})
-    wk0_kv = site.factors_kv(job.previous, kv_heads)
-    wk1_kv = site.factors_kv(job.current, kv_heads)
-    dk = spectrum_stats(update_spectrum(wk0_kv, wk1_kv), shape=(d, site.head_dim))
-    for g, value in zip(kv_heads, dk.entropy.tolist(), strict=True):
-        out.append(Sample.make(job.step, m.DWK_ENTROPY, value, layer=site.name, kv_head=g))
+    # dW_k once per KV head: the first selected query head of each group carries it.
+    dwk_entropy = spectrum_stats(dwk, shape=(d, dh)).entropy.tolist()
+    seen: set[int] = set()
+    for h, value in zip(heads, dwk_entropy, strict=True):
+        g = site.kv_head(h)
+        if g not in seen:
+            seen.add(g)
+            out.append(Sample.make(job.step, m.DWK_ENTROPY, value, layer=site.name, kv_head=g))
     return out

@@ -10,7 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.monitors import qk_increment_spectrum, spectrum_stats, update_spectrum
+from agent.monitors import (
+    qk_increment_spectrum,
+    qk_monitor_spectra,
+    spectrum_stats,
+    update_spectrum,
+)
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -236,3 +241,28 @@ def test_bad_order_and_alpha():
         qk_increment_spectrum(w, w, w, w, order=4)
     with pytest.raises(ValueError, match="alpha must be > 0"):
         spectrum_stats(torch.ones(3), alpha=0.0)
+
+
+@SETTINGS
+@given(shapes)
+def test_qk_monitor_spectra_equals_the_separate_monitors_and_dense_svd(shape):
+    seed, batch, d, dh, rq, rk, scale = shape
+    if d < 2 * dh:
+        return
+    f = _factors(seed, batch, d, dh, min(rq, dh), min(rk, dh), scale, torch.float64)
+    got = qk_monitor_spectra(*f)
+    for order, values in ((1, got.delta1), (2, got.delta2), (3, got.delta3)):
+        _assert_spectrum_matches(values, _dense(*f, order), rtol=1e-9)
+    for values, prev, new in ((got.dwq, f[0], f[2]), (got.dwk, f[1], f[3])):
+        ref = update_spectrum(prev, new)
+        assert torch.allclose(values, ref, rtol=0, atol=1e-9 * float(ref.max().clamp_min(1e-300)))
+    assert torch.allclose(got.wq_norm, torch.linalg.matrix_norm(f[2], ord=2), rtol=1e-10)
+
+
+def test_qk_monitor_spectra_float32_and_shape_check():
+    f = _factors(1, 4, 96, 16, 2, 16, 0.1, torch.float32)
+    got = qk_monitor_spectra(*f)
+    assert got.delta2.dtype == torch.float32 and got.delta2.shape == (4, 32)
+    _assert_spectrum_matches(got.delta2, _dense(*f, 2), rtol=1e-4)
+    with pytest.raises(ValueError, match="needs d >= 2 d_h"):
+        qk_monitor_spectra(*(torch.ones(8, 5),) * 4)

@@ -11,17 +11,21 @@ from agent.monitors.router import (
     routing_load,
 )
 from agent.monitors.spectrum import (
+    QKSpectra,
     SpectrumStats,
     qk_increment_spectrum,
+    qk_monitor_spectra,
     spectrum_stats,
     update_spectrum,
 )
 
 __all__ = [
     "RoutingEntropy",
+    "QKSpectra",
     "RoutingLoad",
     "SpectrumStats",
     "qk_increment_spectrum",
+    "qk_monitor_spectra",
     "router_conditioning_ratio",
     "router_similarity",
     "routing_entropy",

@@ -173,3 +173,55 @@ def update_spectrum(w_prev: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     s = torch.linalg.svdvals(w - w_prev)
     tol = default_rtol(tuple(w.shape[-2:]), s.dtype) * s[..., :1]
     return torch.where(s > tol, s, torch.zeros_like(s))
+
+
+class QKSpectra(NamedTuple):
+    """Every QK spectrum of one snapshot pair, (..., k) each, from one QR pair."""
+
+    delta1: torch.Tensor  # (..., min(d, 2 d_h)) singular values of Delta_1
+    delta2: torch.Tensor  # (..., min(d, 2 d_h)) singular values of Delta_2
+    delta3: torch.Tensor  # (..., d_h) singular values of Delta_3
+    dwq: torch.Tensor  # (..., d_h) singular values of dW_q
+    dwk: torch.Tensor  # (..., d_h) singular values of dW_k (the paired key factor)
+    wq_norm: torch.Tensor  # (...,) spectral norm of the newer W_q
+
+
+def _trim(s: torch.Tensor, shape: tuple[int, int], exactly_zero: torch.Tensor) -> torch.Tensor:
+    tol = default_rtol(shape, s.dtype) * s[..., :1]
+    return torch.where((s > tol) & ~exactly_zero.unsqueeze(-1), s, torch.zeros_like(s))
+
+
+@torch.no_grad()
+def qk_monitor_spectra(
+    wq_prev: torch.Tensor, wk_prev: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor
+) -> QKSpectra:
+    """All QK monitors of factors (..., d, d_h) through ONE thin QR of each side.
+
+    With A = [dW_q, W_q] and B' = [dW_k, W_k] (W the older snapshot), A = Q_A R_A and
+    B' = Q_B R_B. Then (Q_A, Q_B orthonormal, so only the small R factors matter):
+    Delta_2 = A [W_k, dW_k]^T has core R_A (R_B with its two column blocks swapped)^T;
+    dW_q = Q_A[:, :d_h] R_A[:d_h, :d_h] and dW_k likewise, so dW_q, dW_k and Delta_3 = dW_q dW_k^T
+    come from the leading d_h x d_h blocks; Delta_1 = A [W_k', dW_k]^T and W_q' = A [I; I] are
+    small products of R_A and R_B. Same values as ``qk_increment_spectrum`` and
+    ``update_spectrum``, about a third of their combined cost. Needs d >= 2 d_h.
+    """
+    shape = _check_factors(wq_prev=wq_prev, wk_prev=wk_prev, wq=wq, wk=wk)
+    d, dh = shape[-2], shape[-1]
+    if d < 2 * dh:
+        raise ValueError(f"qk_monitor_spectra needs d >= 2 d_h, got d={d}, d_h={dh}")
+    dq, dk = wq - wq_prev, wk - wk_prev  # (..., d, d_h)
+    zero_q, zero_k = _is_zero(dq), _is_zero(dk)
+    _, r_a = torch.linalg.qr(torch.cat([dq, wq_prev], dim=-1), mode="r")  # (..., 2dh, 2dh)
+    _, r_b = torch.linalg.qr(torch.cat([dk, wk_prev], dim=-1), mode="r")  # (..., 2dh, 2dh)
+    rb_dk, rb_w = r_b[..., :dh], r_b[..., dh:]  # R of dW_k and of W_k, (..., 2dh, dh) each
+    core2 = r_a @ torch.cat([rb_w, rb_dk], dim=-1).mT  # B = [W_k, dW_k]
+    core1 = r_a @ torch.cat([rb_w + rb_dk, rb_dk], dim=-1).mT  # B = [W_k + dW_k, dW_k]
+    rq, rk = r_a[..., :dh, :dh], r_b[..., :dh, :dh]  # (..., dh, dh): dW_q, dW_k up to Q
+    delta1 = _trim(torch.linalg.svdvals(core1), (d, d), zero_q & zero_k)
+    delta2 = _trim(torch.linalg.svdvals(core2), (d, d), zero_q & zero_k)
+    delta3 = _trim(torch.linalg.svdvals(rq @ rk.mT), (d, d), zero_q | zero_k)
+    dwq = _trim(torch.linalg.svdvals(rq), (d, dh), zero_q)
+    dwk = _trim(torch.linalg.svdvals(rk), (d, dh), zero_k)
+    wq_new = r_a[..., :dh] + r_a[..., dh:]  # R-coordinates of W_q' = dW_q + W_q
+    wq_norm = torch.linalg.svdvals(wq_new)[..., 0]
+    return QKSpectra(delta1, delta2, delta3, dwq, dwk, wq_norm)
