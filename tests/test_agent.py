@@ -181,3 +181,12 @@ def test_state_round_trip_does_not_repage_an_open_incident(tmp_path):
     incidents = [e for e in read_events(tmp_path / "run2/events.jsonl") if e["kind"] == "incident"]
     assert incidents == []  # no new "opened" page for the same, still firing incident
     assert resumed.incident is not None and resumed.incident.id == opened.id
+
+
+def test_shipped_examples_load():
+    root = Path(__file__).resolve().parent.parent / "examples"
+    cfg = load_agent_config(root / "mechwatch.yaml")
+    assert cfg.run_name == "example" and cfg.checkpoints.enabled
+    from agent.cli import validate
+
+    assert validate([str(root / "my_rules.yaml")]) == 0
