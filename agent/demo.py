@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--fast", action="store_true", help="a shorter run")
     length.add_argument("--long", action="store_true", help="a longer run")
+    p.add_argument("--steps", type=int, default=None, help="override the run length")
+    p.add_argument("--fault-start", type=int, default=None, help="override the fault's step")
     p.add_argument("--no-remediation", action="store_true", help="detect and page only")
     p.add_argument(
         "--compare", action="store_true", help="also run without the agent and a clean run"
@@ -70,6 +72,8 @@ def run_demo(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     set_threads(1)
     steps, fault_start = LENGTHS["fast" if args.fast else "long" if args.long else "default"]
+    steps = args.steps or steps
+    fault_start = args.fault_start if args.fault_start is not None else fault_start
     args.out.mkdir(parents=True, exist_ok=True)
     scenario = ScenarioConfig.preset(
         args.scenario, seed=args.seed, steps=steps, fault_start=fault_start

@@ -88,10 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     parser.add_argument("--quick", action="store_true", help="d in {1024, 2048} only")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1: stable on a shared machine)"
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     dims = [1024, 2048] if args.quick else [1024, 2048, 4096]
     header = [
-        f"Command: `python benchmarks/monitor_speed.py{' --quick' if args.quick else ''}`",
+        f"Command: `python benchmarks/monitor_speed.py{' --quick' if args.quick else ''} "
+        f"--threads {args.threads}`",
         f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}, "
         f"Python {sys.version.split()[0]}",
