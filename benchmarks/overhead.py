@@ -39,7 +39,8 @@ from agent.testbed.supervised import default_agent_config
 def testbed_overhead(blocks: int, block_steps: int, run_dir: Path) -> tuple[float, float]:
     torch.set_num_threads(1)
     scenario = ScenarioConfig.preset("clean", seed=0, steps=blocks * block_steps + 1)
-    bare, watched = TestbedRun(scenario), TestbedRun(scenario)
+    bare = TestbedRun(scenario, record_monitors=False)
+    watched = TestbedRun(scenario, record_monitors=False)
     config = default_agent_config(run_dir, remediate=False, checkpoints={"enabled": False})
     agent = Agent(watched.model, watched.optimizer, watched.scheduler, config)
     t_bare, t_agent = [], []

@@ -4,7 +4,7 @@
 
 Times three loops over the same seeded run (default preset, one torch thread), interleaved in
 blocks so that load from other processes hits all of them alike:
-bare ``TestbedRun.step()`` with the monitors off (cadence beyond the run), steps with the
+bare ``TestbedRun.step()`` with the monitors off (``record_monitors=False``), steps with the
 monitors at the preset cadence, and the full ``run_scenario`` work per step (monitors plus the
 JSON record and its line in metrics.jsonl). Prints ms/step and the overhead in percent.
 """
@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     base = ScenarioConfig.preset("clean", seed=0)
     runs = {
-        "bare steps": TestbedRun(base.model_copy(update={"monitor_every": 10**9})),
+        "bare steps": TestbedRun(base, record_monitors=False),
         "steps + monitors": TestbedRun(base),
         "steps + monitors + record": TestbedRun(base),
     }

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -341,3 +342,18 @@ def test_fp32_backward_remediation_removes_the_fault_per_layer() -> None:
     assert not torch.allclose(faulty[0], exact[0], rtol=1e-3, atol=0)
     torch.testing.assert_close(fixed[0], exact[0], rtol=1e-4, atol=1e-7)  # layer 0: fp32 backward
     assert torch.equal(fixed[1], faulty[1])  # layer 1 still runs the faulty emulation
+
+
+def test_state_dict_resumes_the_run_exactly() -> None:
+    a = _tiny_run("fa_precision")
+    for _ in range(3):
+        a.step()
+    saved = copy.deepcopy(a.state_dict())
+    losses_a = [float(a.step()) for _ in range(4)]  # crosses fault_start = 4
+    b = _tiny_run("fa_precision")
+    b.load_state_dict(saved)
+    losses_b = [float(b.step()) for _ in range(4)]
+    assert losses_a == losses_b and b.step_index == 7 and b.fa_fault_active
+    quiet = TestbedRun(a.config, record_monitors=False)
+    quiet.step()
+    assert quiet.last_monitors is None

@@ -15,6 +15,7 @@ Heavy work happens only on cadence steps; other steps cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,11 +52,12 @@ def _entropy(s: Tensor) -> list[float]:
 
 
 class MonitorRecorder:
-    """Computes the monitors of ``model`` every ``every`` steps (see module docstring)."""
+    """Computes the monitors of ``model`` every ``every`` steps (see module docstring);
+    ``every = 0`` switches it off."""
 
     def __init__(self, model: MoETransformer, every: int) -> None:
-        if every < 1:
-            raise ValueError(f"MonitorRecorder: every must be >= 1, got {every}")
+        if every < 0:
+            raise ValueError(f"MonitorRecorder: every must be >= 0, got {every}")
         self.model = model
         self.every = every
         self._snapshots: dict[str, tuple[Tensor, Tensor]] = {}
@@ -65,7 +67,7 @@ class MonitorRecorder:
         self._pending: Monitors | None = None
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        return self.every > 0 and step % self.every == 0
 
     def before_step(self, step: int) -> None:
         """Measure the weights and arm the router hooks if ``step`` is a cadence step."""
@@ -112,7 +114,7 @@ class MonitorRecorder:
     def _routers(self) -> list[tuple[str, nn.Module]]:
         return [(f"blocks.{i}.moe.gate", moe) for i, moe in enumerate(self.model.moe_modules())]
 
-    def _capture(self, name: str):  # noqa: ANN202 - a forward hook
+    def _capture(self, name: str) -> Callable[[nn.Module, Any, Tensor], None]:
         def hook(_module: nn.Module, _inputs: Any, output: Tensor) -> None:
             self._logits[name] = output.detach()  # (N, E)
 

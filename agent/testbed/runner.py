@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,14 @@ class TestbedRun:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, config: ScenarioConfig, *, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: ScenarioConfig,
+        *,
+        device: str | torch.device = "cpu",
+        record_monitors: bool = True,
+    ) -> None:
+        """``record_monitors=False`` skips the built-in monitors (an agent measures its own)."""
         self.config = config
         self.device = torch.device(device)
         with torch.random.fork_rng(devices=[]):
@@ -68,7 +76,7 @@ class TestbedRun:
         )
         multipliers = [self._lr_multiplier(router=False), self._lr_multiplier(router=True)]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, multipliers)
-        self.recorder = MonitorRecorder(self.model, config.monitor_every)
+        self.recorder = MonitorRecorder(self.model, config.monitor_every if record_monitors else 0)
         self.step_index = 0
         self.last_loss: Tensor | None = None  # () cross-entropy of the last step, nats
         self.last_aux_loss: Tensor | None = None  # () weighted balancing loss
@@ -81,7 +89,7 @@ class TestbedRun:
     def _fault_on(self, step: int) -> bool:
         return step >= self.config.fault_start
 
-    def _lr_multiplier(self, *, router: bool):  # noqa: ANN202 - a LambdaLR factor
+    def _lr_multiplier(self, *, router: bool) -> Callable[[int], float]:
         cfg = self.config
 
         def factor(step: int) -> float:
@@ -140,6 +148,25 @@ class TestbedRun:
         self.last_grad_norm = grad_norm.detach()
         self.step_index += 1
         return self.last_loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this run exactly: weights, optimizer, schedule, step and
+        the data generator (the faults follow from the step index)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step_index": self.step_index,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_index = int(state["step_index"])
+        self.generator.set_state(state["generator"])
+        self.recorder.reset()  # the last snapshot is from another timeline
 
     def weight_norm(self) -> Tensor:
         """Global L2 norm of all parameters, a 0-dim tensor."""

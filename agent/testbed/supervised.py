@@ -77,7 +77,7 @@ def run_supervised(
     is process-wide: it is reset before and after the run."""
     attention_precision.load_state_dict(_NO_FP32)
     t0 = time.perf_counter()
-    run = TestbedRun(scenario)
+    run = TestbedRun(scenario, record_monitors=False)  # the agent measures for itself
 
     def data_state() -> dict[str, Any]:
         return {"step_index": run.step_index, "generator": run.generator.get_state()}
