@@ -105,10 +105,11 @@ class Agent:
             monitored.add("fa_precision")
         if self.router_sites:
             monitored.add("router_instability")
+        repeat = config.notify.repeat_every_steps
         self.attributor = Attributor(
             self.context,
             monitored_families=monitored,
-            repeat_every_steps=config.notify.repeat_every_steps or config.repeat_every_steps,
+            **({"repeat_every_steps": repeat} if repeat is not None else {}),
         )
 
         # Sinks and pages.
@@ -138,7 +139,6 @@ class Agent:
         self._evaluations = 0
         self._last_step: int | None = None
         self._last_step_time = time.monotonic()
-        self._hung_paged = False
         self._resume_step: int | None = None
         self._closed = False
 
@@ -214,7 +214,6 @@ class Agent:
         """Record one optimizer step. Returns the step the loop should run next: ``step + 1``,
         or the step after the restored checkpoint when a rollback happened."""
         self._last_step_time = time.monotonic()
-        self._hung_paged = False
         self._raise_if_halted()
         try:
             self._step(step, loss, grad_norm)

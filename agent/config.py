@@ -111,9 +111,6 @@ class AgentConfig(_Strict):
     checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     discovery: DiscoveryOverrides = Field(default_factory=DiscoveryOverrides)
-    repeat_every_steps: int = Field(
-        2000, ge=1, description="page again about an incident still firing after this many steps"
-    )
     metrics_every: int = Field(
         1, ge=1, description="write every n-th monitor evaluation's samples to the event log"
     )

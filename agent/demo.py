@@ -25,7 +25,7 @@ from agent.testbed.supervised import (
 )
 
 # name -> (steps, fault start); the presets' knobs are the documented test-bed faults.
-LENGTHS = {"fast": (1100, 500), "default": (1500, 500), "long": (3000, 500)}
+LENGTHS = {"fast": (1000, 500), "default": (1500, 500), "long": (3000, 500)}
 
 
 def _parser() -> argparse.ArgumentParser:

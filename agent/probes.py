@@ -31,8 +31,7 @@ from agent.monitors import (
     qk_monitor_spectra,
     router_conditioning_ratio,
     router_similarity,
-    routing_entropy,
-    routing_load,
+    routing_stats,
     spectrum_stats,
     update_spectrum,
 )
@@ -77,8 +76,7 @@ class RouterProbe:
                 if logits is None or logits.numel() == 0:
                     return
                 with torch.no_grad():
-                    ent = routing_entropy(logits)
-                    load = routing_load(logits, top_k)
+                    ent, load = routing_stats(logits, top_k)
                     one = torch.ones((), dtype=ent.mean.dtype, device=ent.mean.device)
                     row = torch.stack([ent.mean, ent.normalized, ent.p10, load.margin, one])
                     if self._sums[index] is None:

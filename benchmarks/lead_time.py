@@ -15,15 +15,11 @@ time. Clean and control runs count false alarms (any firing alert).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-import torch
+from provenance import provenance
 
 from agent.replay import replay
 from agent.testbed.scenarios import ScenarioConfig
@@ -140,13 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in args.scenarios
         for seed in args.seeds
     ]
-    header = [
-        f"Command: `python benchmarks/lead_time.py --steps {args.steps} --seeds "
-        f"{' '.join(map(str, args.seeds))}`",
-        f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, Python {sys.version.split()[0]}",
-        "",
-    ]
+    header = provenance()
     faults = [r for r in rows if EXPECTED[r["scenario"]] is not None]
     controls = [r for r in rows if EXPECTED[r["scenario"]] is None]
     fa_rows = [r for r in faults if r["scenario"] == "fa_precision" and r["lead_share"] is not None]

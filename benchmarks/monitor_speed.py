@@ -12,15 +12,12 @@ ratios (dense / core, layer / one head) and the largest entropy difference.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from agent.monitors import qk_increment_spectrum, spectrum_stats
 
@@ -94,14 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dims = [1024, 2048] if args.quick else [1024, 2048, 4096]
-    header = [
-        f"Command: `python benchmarks/monitor_speed.py{' --quick' if args.quick else ''} "
-        f"--threads {args.threads}`",
-        f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"Python {sys.version.split()[0]}",
-        "",
-    ]
+    header = provenance()
     print("\n".join(header), flush=True)
     rows = run(torch.device("cpu"), dims, [64, 128], layer_heads=32)
     if torch.cuda.is_available():

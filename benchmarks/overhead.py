@@ -16,20 +16,17 @@ Run: python benchmarks/overhead.py [--blocks 12] [--block-steps 50] [--out FILE]
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import provenance
 from torch import nn
 
 from agent.agent import Agent
 from agent.discovery import find_attention
-from agent.monitors import routing_entropy, routing_load
+from agent.monitors import routing_stats
 from agent.probes import QKSnapshots, compute_qk_samples
 from agent.testbed.runner import TestbedRun
 from agent.testbed.scenarios import ScenarioConfig
@@ -92,11 +89,11 @@ def frontier_layer(d: int, heads: int, kv_heads: int, dh: int, sampled_heads: in
 
 def router_hook_cost(tokens: int, experts: int, top_k: int) -> float:
     logits = torch.randn(tokens, experts)
-    routing_entropy(logits), routing_load(logits, top_k)
+    routing_stats(logits, top_k)
     times = []
     for _ in range(10):
         t0 = time.perf_counter()
-        routing_entropy(logits), routing_load(logits, top_k)
+        routing_stats(logits, top_k)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -108,13 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, default=Path("out/overhead"))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    lines = [
-        f"Command: `python benchmarks/overhead.py --blocks {args.blocks} "
-        f"--block-steps {args.block_steps}`",
-        f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, Python {sys.version.split()[0]}",
-        "",
-    ]
+    torch.set_num_threads(1)  # training: one thread; the monitor thread has the other core
+    lines = provenance()
     bare, watched = testbed_overhead(args.blocks, args.block_steps, args.run_dir)
     lines += [
         "| test bed (2 layers, d 64, 8 experts) | ms / step |",

@@ -14,14 +14,10 @@ run's band.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import sys
 from pathlib import Path
 
-import torch
+from provenance import provenance
 
 from agent.eventlog import read_events
 from agent.testbed.scenarios import ScenarioConfig
@@ -108,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             lines.append("| " + " | ".join("-" if x is None else str(x) for x in row) + " |")
             print(lines[-1], flush=True)
-    header = [
-        f"Command: `python benchmarks/remediation.py --steps {args.steps} --seeds "
-        f"{' '.join(map(str, args.seeds))}`",
-        f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, Python {sys.version.split()[0]}",
-        "",
-    ]
+    header = provenance()
     within = sum(1 for _, _, g in gaps if abs(g) <= 0.05)
     summary = ["", f"- final loss within 5% of the clean run: {within} of {len(gaps)} runs"]
     text = "\n".join(header + lines + summary)

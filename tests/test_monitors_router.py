@@ -15,6 +15,7 @@ from agent.monitors import (
     router_similarity,
     routing_entropy,
     routing_load,
+    routing_stats,
 )
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -157,3 +158,12 @@ def test_collapsed_router_has_dead_experts_and_low_entropy():
     assert float(routing_entropy(z).mean) < 1e-9
     with pytest.raises(ValueError, match="top_k"):
         routing_load(z, top_k=9)
+
+
+def test_routing_stats_equals_the_two_monitors():
+    z = 3.0 * torch.randn(777, 16, dtype=torch.float64)
+    ent, load = routing_stats(z, top_k=4)
+    for got, ref in zip(ent, routing_entropy(z), strict=True):
+        assert torch.equal(got, ref)
+    for got, ref in zip(load, routing_load(z, 4), strict=True):
+        assert torch.equal(got, ref)

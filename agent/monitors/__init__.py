@@ -9,6 +9,7 @@ from agent.monitors.router import (
     router_similarity,
     routing_entropy,
     routing_load,
+    routing_stats,
 )
 from agent.monitors.spectrum import (
     QKSpectra,
@@ -30,6 +31,7 @@ __all__ = [
     "router_similarity",
     "routing_entropy",
     "routing_load",
+    "routing_stats",
     "spectrum_stats",
     "update_spectrum",
 ]

@@ -98,36 +98,20 @@ def _linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     return v_lo + frac * (v_hi - v_lo)
 
 
-@torch.no_grad()
-def routing_entropy(logits: torch.Tensor) -> RoutingEntropy:
-    """Per-token entropy of the full routing softmax (before top-k), reduced over tokens.
-
-    Mean of per-token entropies, not the entropy of the mean load. Logits of -inf (masked
-    experts) contribute 0 log 0 = 0.
-    """
-    z = _flatten_logits(logits)  # (N, E)
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()
+def _entropy_from(logp: torch.Tensor, p: torch.Tensor) -> RoutingEntropy:
     h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)  # (N,) nats
     mean = h.mean()
     return RoutingEntropy(
-        mean=mean, normalized=mean / math.log(z.shape[-1]), p10=_linear_quantile(h, 0.1)
+        mean=mean, normalized=mean / math.log(p.shape[-1]), p10=_linear_quantile(h, 0.1)
     )
 
 
-@torch.no_grad()
-def routing_load(logits: torch.Tensor, top_k: int) -> RoutingLoad:
-    """Load and margin statistics of top-k routing (lagging, context metrics)."""
-    z = _flatten_logits(logits)  # (N, E)
-    n, e = z.shape
+def _load_from(p: torch.Tensor, top_k: int) -> RoutingLoad:
+    n, e = p.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
-    p = torch.softmax(z, dim=-1)  # (N, E)
     top = torch.topk(p, k=max(top_k, 2), dim=-1)  # values and indices (N, max(k, 2))
-    counts = torch.zeros(e, dtype=z.dtype, device=z.device)
-    counts.index_add_(
-        0, top.indices[:, :top_k].reshape(-1), torch.ones_like(top.values[:, :top_k]).reshape(-1)
-    )
+    counts = torch.bincount(top.indices[:, :top_k].reshape(-1), minlength=e).to(p.dtype)  # (E,)
     load = counts / (n * top_k)  # (E,)
     load_entropy = -torch.where(
         load > 0, load * torch.log(torch.where(load > 0, load, 1.0)), 0.0
@@ -140,3 +124,28 @@ def routing_load(logits: torch.Tensor, top_k: int) -> RoutingLoad:
         margin=margin,
         dead_experts=(counts == 0).sum(),
     )
+
+
+@torch.no_grad()
+def routing_entropy(logits: torch.Tensor) -> RoutingEntropy:
+    """Per-token entropy of the full routing softmax (before top-k), reduced over tokens.
+
+    Mean of per-token entropies, not the entropy of the mean load. Logits of -inf (masked
+    experts) contribute 0 log 0 = 0.
+    """
+    logp = torch.log_softmax(_flatten_logits(logits), dim=-1)  # (N, E)
+    return _entropy_from(logp, logp.exp())
+
+
+@torch.no_grad()
+def routing_load(logits: torch.Tensor, top_k: int) -> RoutingLoad:
+    """Load and margin statistics of top-k routing (lagging, context metrics)."""
+    return _load_from(torch.softmax(_flatten_logits(logits), dim=-1), top_k)
+
+
+@torch.no_grad()
+def routing_stats(logits: torch.Tensor, top_k: int) -> tuple[RoutingEntropy, RoutingLoad]:
+    """``routing_entropy`` and ``routing_load`` from one softmax (what a router hook calls)."""
+    logp = torch.log_softmax(_flatten_logits(logits), dim=-1)  # (N, E)
+    p = logp.exp()
+    return _entropy_from(logp, p), _load_from(p, top_k)
