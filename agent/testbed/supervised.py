@@ -157,13 +157,6 @@ def _summarize_events(events: list[dict[str, Any]], agent: Agent, result: Superv
             )
 
 
-def detect_only(config: AgentConfig) -> AgentConfig:
-    """The same agent with every action turned into a proposal (dry run)."""
-    return config.model_copy(
-        update={"actions": config.actions.model_copy(update={"dry_run": True})}
-    )
-
-
 def default_agent_config(
     run_dir: str | Path, *, remediate: bool = True, **updates: Any
 ) -> AgentConfig:
