@@ -169,14 +169,18 @@ def plot_demo(events_path: Path, result: SupervisedResult, png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    # One segment per trajectory: a rollback makes the steps go back, and the abandoned path
+    # (the collapse that triggered it) is drawn faded next to the path the run continued on.
+    segments: list[dict] = []
+    last_step = None
     for e in read_events(events_path, kinds=("metrics",)):
+        if last_step is None or e["step"] < last_step:
+            segments.append(defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+        last_step = e["step"]
         for step, metric, labels, value in e["samples"]:
-            if metric == "qk_delta2_entropy" or metric == "dwq_entropy":
-                per = series[metric][labels["layer"]]
-                per.setdefault(step, []).append(value)  # type: ignore[attr-defined]
-            elif metric == "router_entropy_norm":
-                series[metric][labels["router"]][step] = value
+            name = labels.get("layer") or labels.get("router")
+            if metric in ("qk_delta2_entropy", "dwq_entropy", "router_entropy_norm"):
+                segments[-1][metric][name][step].append(value)
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     axes[0].plot(range(len(result.losses)), result.losses, lw=0.6, color="black")
     axes[0].set_ylabel("loss (nats)")
@@ -185,14 +189,22 @@ def plot_demo(events_path: Path, result: SupervisedResult, png: Path) -> Path:
         (axes[2], "dwq_entropy", "H(dW_q), mean over heads"),
         (axes[3], "router_entropy_norm", "routing entropy / ln E"),
     )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, metric, label in panels:
-        for name, points in sorted(series[metric].items()):
-            steps = sorted(points)
-            values = [
-                sum(points[s]) / len(points[s]) if isinstance(points[s], list) else points[s]
-                for s in steps
-            ]
-            ax.plot(steps, values, lw=1.0, label=name)
+        for index, segment in enumerate(segments):
+            final = index == len(segments) - 1
+            for k, (name, points) in enumerate(sorted(segment[metric].items())):
+                steps = sorted(points)
+                values = [sum(points[t]) / len(points[t]) for t in steps]
+                ax.plot(
+                    steps,
+                    values,
+                    lw=1.0,
+                    color=colors[k % len(colors)],
+                    alpha=1.0 if final else 0.45,
+                    ls="-" if final else "--",
+                    label=name if final else None,
+                )
         ax.set_ylabel(label)
         ax.legend(fontsize=7, loc="lower left")
     marks = [(result.fault_start, "fault on", "red")]
