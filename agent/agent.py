@@ -250,7 +250,7 @@ class Agent:
         new += self._collect_due(step)
         if new:
             self._ingest(step, new)
-        if self.checkpoints is not None:
+        if self.checkpoints is not None and step % cfg.checkpoints.every == 0:
             self._guarded(
                 "checkpoint", lambda: self.checkpoints.maybe_save(step, health=self.health()), None
             )

@@ -190,3 +190,56 @@ def test_shipped_examples_load():
     from agent.cli import validate
 
     assert validate([str(root / "my_rules.yaml")]) == 0
+
+
+def test_rollback_in_a_real_loop_restores_the_checkpoint_and_moves_the_step_back(tmp_path):
+    rules = tmp_path / "roll.yaml"
+    rules.write_text(
+        "groups:\n  - name: g\n    rules:\n"
+        "      - name: always\n        metric: loss\n"
+        "        detector: {type: threshold, above: 0.0}\n        for: 0\n        start_step: 20\n"
+        "        severity: critical\n        family: symptom\n"
+        "        actions: [{rollback: {margin_steps: 5}}]\n"
+    )
+    run = _run(steps=40)
+
+    def data_state() -> dict:
+        return {"step_index": run.step_index, "generator": run.generator.get_state()}
+
+    def restore_data(state: dict, skip: int) -> None:
+        run.generator.set_state(state["generator"])
+        run.step_index = int(state["step_index"])
+
+    cfg = _config(
+        tmp_path,
+        rules=[rules],
+        symptoms={"every": 10},
+        checkpoints={"enabled": True, "every": 10, "keep_last": 5},
+    )
+    agent = Agent(
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        cfg,
+        data_state=data_state,
+        restore_data=restore_data,
+    )
+    saved_at_10 = None
+    step, moves = 0, []
+    while step < 30:
+        loss = run.step()
+        next_step = agent.step(step, loss=loss)
+        if step == 10:
+            agent.checkpoints.flush()
+            saved_at_10 = {k: v.clone() for k, v in run.model.state_dict().items()}
+        if next_step != step + 1:
+            moves.append((step, next_step))
+            restored = {k: v.clone() for k, v in run.model.state_dict().items()}
+        step = next_step
+    agent.close()
+    # The alert fired at step 20 (onset 20); the newest checkpoint at or before 20 - 5 is
+    # step 10: the loop continues at 11 with the weights saved after step 10.
+    assert moves == [(20, 11)]
+    assert all(torch.equal(restored[k], saved_at_10[k]) for k in saved_at_10)
+    actions = [e for e in read_events(tmp_path / "run/events.jsonl") if e["kind"] == "action"]
+    assert [(a["action"], a["status"]) for a in actions] == [("rollback", "applied")]
