@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from state_compare import assert_bitwise_equal, snapshot, tensors_of
 
 from remediations import checkpoint as ckpt_mod
 from remediations.checkpoint import (
@@ -98,33 +99,6 @@ def make_manager(run: Run, directory: Path, **kw: Any) -> CheckpointManager:
         restore_data=run.data.restore,
         **kw,
     )
-
-
-def tensors_of(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor in a nested state, keyed by its path."""
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(tensors_of(v, f"{prefix}/{k}"))
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            out.update(tensors_of(v, f"{prefix}/{i}"))
-    return out
-
-
-def snapshot(run: Run) -> dict[str, torch.Tensor]:
-    """Clones of every model and optimizer tensor."""
-    state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
-    return {k: v.clone() for k, v in tensors_of(state).items()}
-
-
-def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype, k
-        assert torch.equal(a[k], b[k]), k
 
 
 def seed_globals(seed: int) -> None:
