@@ -47,16 +47,24 @@ class ReplayResult:
                 out.setdefault(a["rule"], a["step"])
         return out
 
-    def attribution(self) -> str | None:
-        """Family of the first incident, as it stood when it last changed (escalations)."""
+    def attribution(self, at_step: int | None = None) -> str | None:
+        """Family of the first incident, as it stood when it last changed (escalations) up to
+        and including ``at_step`` (None: the end of the run; a step before the incident opened:
+        None)."""
         if not self.incidents:
             return None
         first = self.incidents[0]["incident"]["id"]
         family = None
         for e in self.incidents:
+            if at_step is not None and e["step"] > at_step:
+                break
             if e["incident"]["id"] == first:
                 family = e["incident"]["family"]
         return family
+
+    def paged_attribution(self) -> str | None:
+        """Family of the first incident when it opened (what its first page said)."""
+        return self.incidents[0]["incident"]["family"] if self.incidents else None
 
 
 def replay(

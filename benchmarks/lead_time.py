@@ -8,7 +8,8 @@ test-bed run with the agent in detect-only mode (actions are proposals, the run 
 records every measurement in its event log; runs already recorded under --root are reused.
 The recorded measurements are then replayed through the rule files (`agent.replay`: the same
 decisions the live agent makes) to find, per run: the first alert per family, the estimated
-onset, the attribution, the loss-divergence step (agent.testbed.divergence) and the lead
+onset, the attribution (when first paged, at the loss divergence, at the end), the
+loss-divergence step (agent.testbed.divergence) and the lead
 time. Clean and control runs count false alarms (any firing alert).
 """
 
@@ -70,11 +71,16 @@ def evaluate(root: Path, scenario: str, seed: int, run: dict, rules: list[Path] 
         "first_delta2": by_rule.get("qk_delta2_entropy_collapse"),
         "first_dwq": by_rule.get("dwq_entropy_collapse"),
         "onset": replayed.incidents[0]["incident"]["onset_step"] if replayed.incidents else None,
+        "paged_as": replayed.paged_attribution(),
+        "at_divergence": replayed.attribution(divergence)
+        if divergence is not None
+        else attribution,
         "attribution": attribution,
         "divergence": divergence,
         "false_alarm": EXPECTED[scenario] is None and bool(first),
         "correct": attribution == EXPECTED[scenario],
     }
+    row["correct_at_divergence"] = row["at_divergence"] == EXPECTED[scenario]
     alerts = [v for v in (row["first_fa"], row["first_router"]) if v is not None]
     first_mech = min(alerts) if alerts else None
     row["lead"] = None if divergence is None or first_mech is None else divergence - first_mech
@@ -108,7 +114,10 @@ def table(rows: list[dict]) -> list[str]:
         "divergence",
         "lead",
         "lead_share",
+        "paged_as",
+        "at_divergence",
         "attribution",
+        "correct_at_divergence",
         "correct",
         "false_alarm",
     ]
@@ -149,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- false alarms on clean/control runs: {sum(r['false_alarm'] for r in controls)} "
         f"of {len(controls)}",
-        f"- fault runs detected and correctly attributed: {sum(r['correct'] for r in faults)} "
-        f"of {len(faults)}",
+        f"- fault runs detected and correctly attributed by the end of the run: "
+        f"{sum(r['correct'] for r in faults)} of {len(faults)}; as the incident stood at the "
+        f"loss divergence (end of run if none): "
+        f"{sum(r['correct_at_divergence'] for r in faults)} of {len(faults)}",
+        "- paged_as: the family of the first page; at_divergence: as the incident stood at the "
+        "divergence step; attribution: at the end of the run (later evidence upgrades it)",
         f"- fa_precision runs whose first alert came at least half way from fault start to "
         f"divergence: {sum(r['lead_share'] >= 0.5 for r in fa_rows)} of {len(fa_rows)} "
         f"that diverged",

@@ -8,7 +8,9 @@ Clean and detect-only runs are taken from --root when benchmarks/lead_time.py re
 (same steps), else run here. Reported per run: the actions applied, steps rolled back, the
 final loss (mean of the last 100 steps) against the clean run, the loss-divergence step with
 and without the agent, and for router faults the routing entropy at the end against the clean
-run's band.
+runs' band: [min, max] of the clean runs' end entropy over every clean seed recorded under
+--root (at least the benchmarked seeds), widened by 15 % of the value (the rule of
+agent.testbed.bands.clean_band).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from provenance import provenance
 
 from agent.eventlog import read_events
+from agent.testbed.bands import clean_band
 from agent.testbed.scenarios import ScenarioConfig
 from agent.testbed.supervised import default_agent_config, run_supervised, set_threads
 
@@ -48,6 +51,20 @@ def _final_router_entropy(events: Path) -> dict[str, float]:
     return {k: sum(v[-4:]) / len(v[-4:]) for k, v in per.items()}
 
 
+def _end_band(root: Path, seeds: list[int], steps: int) -> dict[str, tuple[float, float]]:
+    """Per router: the clean band of the end entropy over the clean runs under ``root``."""
+    folders = {int(f.name.split("_s")[1]) for f in root.glob("clean_s*") if f.is_dir()}
+    for seed in seeds:  # the benchmarked seeds at least
+        _recorded(root, "clean", seed, steps)
+        folders.add(seed)
+    ends = [_final_router_entropy(root / f"clean_s{seed}" / "events.jsonl") for seed in folders]
+    band = {}
+    for router in ends[0]:
+        series = [((0,), (end[router],)) for end in ends]
+        band[router] = clean_band(series).bounds[0]
+    return band
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1500)
@@ -71,9 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         "divergence (agent)",
         "router H end",
         "router H clean end",
+        "clean band",
+        "in band",
     ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     gaps = []
+    band = _end_band(args.root, args.seeds, args.steps)
+    in_band_runs: list[bool] = []
     for scenario in args.scenarios:
         for seed in args.seeds:
             clean = _recorded(args.root, "clean", seed, args.steps)
@@ -88,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             gaps.append((scenario, seed, gap))
             h_end = _final_router_entropy(folder / "events.jsonl")
             h_clean = _final_router_entropy(args.root / f"clean_s{seed}" / "events.jsonl")
+            inside = all(band[r][0] <= v <= band[r][1] for r, v in h_end.items())
+            if scenario in ("router_instability", "combined"):
+                in_band_runs.append(inside)
             row = [
                 scenario,
                 seed,
@@ -101,12 +125,21 @@ def main(argv: list[str] | None = None) -> int:
                 result.divergence_step,
                 " / ".join(f"{v:.2f}" for v in h_end.values()),
                 " / ".join(f"{v:.2f}" for v in h_clean.values()),
+                " / ".join(f"{lo:.2f}-{hi:.2f}" for lo, hi in band.values()),
+                "yes" if inside else "no",
             ]
             lines.append("| " + " | ".join("-" if x is None else str(x) for x in row) + " |")
             print(lines[-1], flush=True)
     header = provenance()
     within = sum(1 for _, _, g in gaps if abs(g) <= 0.05)
-    summary = ["", f"- final loss within 5% of the clean run: {within} of {len(gaps)} runs"]
+    summary = [
+        "",
+        f"- final loss within 5% of the clean run: {within} of {len(gaps)} runs",
+        f"- router-fault runs ending with every router's entropy in the clean band: "
+        f"{sum(in_band_runs)} of {len(in_band_runs)}",
+        "- router H: mean normalized routing entropy (of ln E) over the last 4 read-outs, "
+        "per router (layer 0 / layer 1)",
+    ]
     text = "\n".join(header + lines + summary)
     print(text)
     if args.out:

@@ -78,9 +78,10 @@ def test_moe_dispatch_matches_dense_reference_and_balance_loss() -> None:
     torch.manual_seed(0)
     moe = MoETransformer(SMALL).blocks[0].moe
     x = torch.randn(2, 8, 16)
-    y, balance = moe(x)
+    y, balance, z_loss = moe(x)
     flat = x.reshape(-1, 16)
-    probs = torch.softmax(moe.gate(flat), dim=-1)
+    logits = moe.gate(flat)  # (N, E)
+    probs = torch.softmax(logits, dim=-1)
     top_p, top_i = probs.topk(2, dim=-1)
     want = torch.zeros_like(flat)
     for n in range(flat.shape[0]):
@@ -90,16 +91,52 @@ def test_moe_dispatch_matches_dense_reference_and_balance_loss() -> None:
     torch.testing.assert_close(y.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
     fraction = torch.bincount(top_i.reshape(-1), minlength=4).float() / top_i.numel()
     torch.testing.assert_close(balance, 4 * (fraction * probs.mean(0)).sum())
+    torch.testing.assert_close(z_loss, (torch.logsumexp(logits, dim=-1) ** 2).mean())
+
+
+def test_moe_without_top_k_renormalization_weights_experts_by_their_probability() -> None:
+    torch.manual_seed(0)
+    moe = MoETransformer(SMALL.model_copy(update={"norm_topk": False})).blocks[0].moe
+    x = torch.randn(1, 4, 16)
+    y, _, _ = moe(x)
+    flat = x.reshape(-1, 16)
+    top_p, top_i = torch.softmax(moe.gate(flat), dim=-1).topk(2, dim=-1)
+    want = torch.stack(
+        [
+            sum(top_p[n, s] * moe.experts[int(top_i[n, s])](flat[n : n + 1])[0] for s in range(2))
+            for n in range(flat.shape[0])
+        ]
+    )
+    torch.testing.assert_close(y.reshape(-1, 16), want, rtol=1e-5, atol=1e-6)
 
 
 def test_balance_coefficient_weights_the_aux_loss() -> None:
     idx = torch.randint(0, 32, (2, 8))
     torch.manual_seed(0)
-    on = MoETransformer(SMALL.model_copy(update={"balance_coef": 0.5}))
+    on = MoETransformer(SMALL.model_copy(update={"balance_coef": 0.5, "router_z_coef": 0.0}))
     _, aux = on(idx)
     assert 0.45 < aux.item() < 1.0  # 0.5 * (1.0 when balanced, up to E when collapsed)
     on.balance_coef = 0.0
     assert on(idx)[1].item() == 0.0
+
+
+def test_router_z_coefficient_adds_the_mean_squared_logsumexp() -> None:
+    idx = torch.randint(0, 32, (2, 8))
+    torch.manual_seed(0)
+    model = MoETransformer(SMALL.model_copy(update={"balance_coef": 0.0, "router_z_coef": 0.5}))
+    z_per_layer = []
+    hooks = [
+        moe.gate.register_forward_hook(
+            lambda _m, _i, out: z_per_layer.append((torch.logsumexp(out, -1) ** 2).mean())
+        )
+        for moe in model.moe_modules()
+    ]
+    _, aux = model(idx)
+    for h in hooks:
+        h.remove()
+    want = 0.5 * torch.stack(z_per_layer).mean()  # mean over layers, like the balancing loss
+    torch.testing.assert_close(aux, want)
+    assert aux.item() > 0.0
 
 
 def test_config_validation() -> None:

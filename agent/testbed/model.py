@@ -47,6 +47,10 @@ class TestbedConfig(BaseModel):
     d_expert: int = Field(128, ge=1, description="hidden width of one expert MLP")
     seq_len: int = Field(64, ge=1, description="context length T")
     balance_coef: float = Field(0.01, ge=0.0, description="load-balancing loss weight (0 = off)")
+    router_z_coef: float = Field(
+        0.01, ge=0.0, description="router z-loss weight, mean logsumexp(logits)^2 (0 = off)"
+    )
+    norm_topk: bool = Field(True, description="renormalize the top-k routing weights to sum 1")
     init_std: float = Field(0.02, gt=0.0, description="std of the normal weight init")
 
     @model_validator(mode="after")
@@ -120,19 +124,23 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts = config.n_experts
         self.top_k = config.top_k
+        self.norm_topk = config.norm_topk
         self.gate = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = nn.ModuleList(
             ExpertMLP(config.d_model, config.d_expert) for _ in range(config.n_experts)
         )
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x (B, T, d) -> (y (B, T, d), Switch load-balancing loss (scalar, 1.0 when uniform))."""
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, d) -> (y (B, T, d), Switch load-balancing loss (scalar, 1.0 when uniform),
+        router z-loss (scalar): mean over tokens of logsumexp(logits)^2, ST-MoE)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)  # (N, d)
         logits = self.gate(flat)  # (N, E)
         probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
         top_p, top_i = probs.topk(self.top_k, dim=-1)  # (N, k)
-        weights = (top_p / top_p.sum(dim=-1, keepdim=True)).to(x.dtype)  # (N, k)
+        if self.norm_topk:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        weights = top_p.to(x.dtype)  # (N, k)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             rows, slot = torch.nonzero(top_i == e, as_tuple=True)  # tokens routed to e
@@ -144,7 +152,8 @@ class MoEFeedForward(nn.Module):
         )
         fraction = assigned / top_i.numel()  # (E,)
         balance = self.num_experts * torch.sum(fraction * probs.mean(dim=0))
-        return out.view(b, t, d), balance
+        z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
+        return out.view(b, t, d), balance, z_loss
 
 
 class Block(nn.Module):
@@ -155,19 +164,23 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model)
         self.moe = MoEFeedForward(config)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = x + self.attn(self.ln1(x))
-        y, balance = self.moe(self.ln2(x))
-        return x + y, balance
+        y, balance, z_loss = self.moe(self.ln2(x))
+        return x + y, balance, z_loss
 
 
 class MoETransformer(nn.Module):
-    """Token ids (B, T) -> (next-token logits (B, T, V), weighted balancing loss (scalar))."""
+    """Token ids (B, T) -> (next-token logits (B, T, V), auxiliary router loss (scalar)).
+
+    The auxiliary loss is the layer mean of ``balance_coef * balancing + router_z_coef * z``.
+    """
 
     def __init__(self, config: TestbedConfig) -> None:
         super().__init__()
         self.config = config
         self.balance_coef = config.balance_coef  # mutable: a router fault may switch it off
+        self.router_z_coef = config.router_z_coef
         self.tok_emb = nn.Embedding(config.vocab, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
@@ -202,9 +215,11 @@ class MoETransformer(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, d)
         balance_total = x.new_zeros(())
+        z_total = x.new_zeros(())
         for block in self.blocks:
-            x, balance = block(x)
+            x, balance, z_loss = block(x)
             balance_total = balance_total + balance
+            z_total = z_total + z_loss
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        aux = self.balance_coef * balance_total / len(self.blocks)
+        aux = (self.balance_coef * balance_total + self.router_z_coef * z_total) / len(self.blocks)
         return logits, aux

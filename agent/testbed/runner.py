@@ -79,7 +79,7 @@ class TestbedRun:
         self.recorder = MonitorRecorder(self.model, config.monitor_every if record_monitors else 0)
         self.step_index = 0
         self.last_loss: Tensor | None = None  # () cross-entropy of the last step, nats
-        self.last_aux_loss: Tensor | None = None  # () weighted balancing loss
+        self.last_aux_loss: Tensor | None = None  # () weighted balancing + z-loss
         self.last_grad_norm: Tensor | None = None  # () global grad norm before clipping
         self.last_monitors: dict[str, dict[str, Any]] | None = None
         self.fa_fault_active = False
