@@ -72,9 +72,7 @@ def evaluate(root: Path, scenario: str, seed: int, run: dict, rules: list[Path] 
         "first_dwq": by_rule.get("dwq_entropy_collapse"),
         "onset": replayed.incidents[0]["incident"]["onset_step"] if replayed.incidents else None,
         "paged_as": replayed.paged_attribution(),
-        "at_divergence": replayed.attribution(divergence)
-        if divergence is not None
-        else attribution,
+        "at_divergence": replayed.attribution(divergence),  # None: the end of the run
         "attribution": attribution,
         "divergence": divergence,
         "false_alarm": EXPECTED[scenario] is None and bool(first),

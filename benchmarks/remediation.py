@@ -53,11 +53,11 @@ def _final_router_entropy(events: Path) -> dict[str, float]:
 
 def _end_band(root: Path, seeds: list[int], steps: int) -> dict[str, tuple[float, float]]:
     """Per router: the clean band of the end entropy over the clean runs under ``root``."""
-    folders = {int(f.name.split("_s")[1]) for f in root.glob("clean_s*") if f.is_dir()}
-    for seed in seeds:  # the benchmarked seeds at least
-        _recorded(root, "clean", seed, steps)
-        folders.add(seed)
-    ends = [_final_router_entropy(root / f"clean_s{seed}" / "events.jsonl") for seed in folders]
+    found = {int(f.name.split("_s")[1]) for f in root.glob("clean_s*") if f.is_dir()}
+    ends = []
+    for seed in sorted(found | set(seeds)):  # the benchmarked seeds at least
+        _recorded(root, "clean", seed, steps)  # re-run when recorded with another step count
+        ends.append(_final_router_entropy(root / f"clean_s{seed}" / "events.jsonl"))
     band = {}
     for router in ends[0]:
         series = [((0,), (end[router],)) for end in ends]

@@ -180,7 +180,6 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.config = config
         self.balance_coef = config.balance_coef  # mutable: a router fault may switch it off
-        self.router_z_coef = config.router_z_coef
         self.tok_emb = nn.Embedding(config.vocab, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
@@ -221,5 +220,6 @@ class MoETransformer(nn.Module):
             balance_total = balance_total + balance
             z_total = z_total + z_loss
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        aux = (self.balance_coef * balance_total + self.router_z_coef * z_total) / len(self.blocks)
+        weighted = self.balance_coef * balance_total + self.config.router_z_coef * z_total
+        aux = weighted / len(self.blocks)
         return logits, aux
