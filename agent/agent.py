@@ -320,6 +320,10 @@ class Agent:
             self._page(event)
         for request in decisions.action_requests:
             self._run_action(step, request)
+        for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
+            event = self.attributor.record_action(result.record, step)
+            if event is not None:
+                self._page(event)
 
     # ------------------------------------------------------------------ actions and pages
     def _page(self, event: IncidentEvent) -> None:

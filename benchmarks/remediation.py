@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from provenance import provenance
@@ -100,11 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             clean = _recorded(args.root, "clean", seed, args.steps)
             detect = _recorded(args.root, scenario, seed, args.steps)
             folder = args.work / f"{scenario}_s{seed}"
+            shutil.rmtree(folder, ignore_errors=True)  # a fresh run: no earlier events or files
             config = default_agent_config(folder, remediate=True)
             result = run_supervised(
                 ScenarioConfig.preset(scenario, seed=seed, steps=args.steps), config
             )
-            applied = [a["action"] for a in result.actions if a.get("status") == "applied"]
+            applied = [
+                a["action"] + (" (relaxed)" if a.get("follow_up") else "")
+                for a in result.actions
+                if a.get("status") == "applied"
+            ]
             gap = result.final_loss() / clean["final_loss"] - 1
             gaps.append((scenario, seed, gap))
             h_end = _final_router_entropy(folder / "events.jsonl")

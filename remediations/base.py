@@ -4,12 +4,15 @@ An action is a class with a YAML name, a pydantic parameter model and an ``apply
 on the training thread at a step boundary. ``apply`` is all-or-nothing: it either changes the
 run completely and returns a record with before/after values, or raises and leaves the run as
 it was. What an action changed lives in the action instance and is saved through
-``state_dict`` so that a restart or a rollback re-applies it (``reapply``).
+``state_dict`` so that a restart or a rollback re-applies it (``reapply``). An action may also
+follow up on its own change (``watching`` / ``observe``: ``lower_lr`` relaxing a cut that
+overshot), from the samples of each evaluation.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from agent.incidents import Incident
+    from agent.samples import Sample
 
 
 class ActionParams(BaseModel):
@@ -63,6 +67,16 @@ class Action(ABC):
 
     def reapply(self, ctx: ActionContext) -> None:  # noqa: B027 - optional hook
         """Re-impose what this action changed (after a restart or a rollback)."""
+
+    @property
+    def watching(self) -> bool:
+        """True while the action wants ``observe`` calls (a change it may follow up on)."""
+        return False
+
+    def observe(self, ctx: ActionContext, samples: Sequence[Sample]) -> ActionOutcome | None:
+        """Follow up on an earlier change from one evaluation's samples (training thread, step
+        boundary). Return an outcome when the run was changed (all or nothing), else None."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}

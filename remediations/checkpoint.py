@@ -23,6 +23,14 @@ Example::
 
 ``step`` always means the number of optimizer steps completed when the state was captured; a
 restored run continues with optimizer step ``step + 1``.
+
+A checkpoint belongs to the run that wrote it. Every manifest and payload records the
+manager's *lineage*, a random id made when the manager starts; restoring a payload adopts its
+lineage (a resumed run continues the timeline it was resumed from). A rollback only considers
+checkpoints of the current lineage (``own_run=True``), and retention and ``discard_after`` only
+delete checkpoints of it: checkpoints that another run left in the directory are never rolled
+back to and never deleted by us (a warning names them at the first save), except that a save
+at the same step replaces the file of that name.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import random
 import re
 import threading
 import time
+import uuid
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -60,6 +69,7 @@ KEY_SCHEDULER = "scheduler"
 KEY_RNG = "rng"
 KEY_AGENT = "agent"
 KEY_DATA = "data"
+KEY_LINEAGE = "lineage"
 RNG_PYTHON = "python"
 RNG_NUMPY = "numpy"
 RNG_TORCH = "torch"
@@ -96,6 +106,7 @@ class CheckpointInfo:
     saved_at: float  # unix seconds when the state was captured
     health: dict[str, Any] | None  # the monitors' health at save time, as given to save()
     known_good: bool  # health said healthy at save time
+    lineage: str | None = None  # the run that wrote it (None: written before lineages existed)
 
 
 @runtime_checkable
@@ -115,6 +126,7 @@ class CheckpointStore(Protocol):
         *,
         known_good_only: bool = False,
         skipped: list[str] | None = None,
+        own_run: bool = False,
     ) -> CheckpointInfo | None: ...
 
     def load_newest(
@@ -123,6 +135,7 @@ class CheckpointStore(Protocol):
         *,
         known_good_only: bool = False,
         skipped: list[str] | None = None,
+        own_run: bool = False,
     ) -> tuple[CheckpointInfo, dict[str, Any]] | None: ...
 
     def restore(
@@ -425,6 +438,8 @@ class CheckpointManager:
         self._dir_lock = threading.Lock()  # the writer's publish/retention vs. scans
         self._last_saved_step: int | None = None
         self._closed = False
+        self.lineage = uuid.uuid4().hex[:16]  # this run's id in manifests and payloads
+        self._foreign_reported = False
         self._remove_leftover_tmp_files()
         atexit.register(_flush_at_exit, weakref.ref(self))
 
@@ -453,6 +468,8 @@ class CheckpointManager:
         health_json = self._validate_health(health)
         if not self._wait_for_writer(step):
             return False
+        if not self._foreign_reported:
+            self._report_foreign()
         t0 = time.perf_counter()
         copier = _HostCopier(
             weights_only=self.weights_only, pinned=self._pinned if self.pin_memory else None
@@ -474,6 +491,7 @@ class CheckpointManager:
             "capture_seconds": capture_seconds,
             "health": health_json,
             "known_good": known_good,
+            "lineage": self.lineage,
             "torch": torch.__version__,
         }
         job = _SaveJob(step=step, payload=payload, manifest=manifest, cuda_events=events)
@@ -548,6 +566,7 @@ class CheckpointManager:
             KEY_RNG: capture_rng_state(),  # already fresh containers / tensors
             KEY_AGENT: None,
             KEY_DATA: None,
+            KEY_LINEAGE: self.lineage,
         }
         if self.optimizer is not None:
             payload[KEY_OPTIMIZER] = copier.copy(self.optimizer.state_dict(), "optimizer")
@@ -623,7 +642,11 @@ class CheckpointManager:
         newer checkpoints arrive); and the newest known-good one before
         ``protect_before_step``. Delete the rest, manifest first, so a half-deleted checkpoint
         is never taken for verified. Caller holds _dir_lock."""
-        infos = sorted(self._read_manifests(record=False), key=lambda i: i.step, reverse=True)
+        infos = sorted(
+            (i for i in self._read_manifests(record=False) if i.lineage == self.lineage),
+            key=lambda i: i.step,
+            reverse=True,
+        )
         keep = {i.step for i in infos[: self.keep_last]}
         known_good = [i for i in infos if i.known_good]  # newest first
         if known_good:
@@ -646,27 +669,29 @@ class CheckpointManager:
                 info.manifest_path.unlink(missing_ok=True)
                 info.path.unlink(missing_ok=True)
         # Data files without a readable manifest can never be verified: remove them too.
-        described = {i.step for i in infos}
+        described = {i.step for i in self._read_manifests(record=False)}
         for step, path in self._data_files():
             if step not in described:
                 self.manifest_path_for(step).unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
 
     def discard_after(self, step: int) -> list[int]:
-        """Delete the checkpoints newer than ``step`` (after a rollback to ``step`` they belong
-        to the abandoned future and carry the fault). Returns the deleted steps."""
+        """Delete this run's checkpoints newer than ``step`` (after a rollback to ``step`` they
+        belong to the abandoned future and carry the fault), and data files newer than it that
+        have no readable manifest. Another run's checkpoints stay. Returns the deleted steps."""
         self.flush()
         deleted = []
         with self._dir_lock:
-            for s, path in self._data_files():
-                if s > step:
-                    self.manifest_path_for(s).unlink(missing_ok=True)
-                    path.unlink(missing_ok=True)
-                    deleted.append(s)
-            for info in self._read_manifests(record=False):
-                if info.step > step:
+            infos = self._read_manifests(record=False)
+            foreign = {i.step for i in infos if i.lineage != self.lineage}
+            for info in infos:
+                if info.step > step and info.lineage == self.lineage:
                     info.manifest_path.unlink(missing_ok=True)
                     deleted.append(info.step)
+            for s, path in self._data_files():
+                if s > step and s not in foreign:
+                    path.unlink(missing_ok=True)
+                    deleted.append(s)
         if self._last_saved_step is not None and self._last_saved_step > step:
             self._last_saved_step = None
         return sorted(set(deleted))
@@ -706,11 +731,13 @@ class CheckpointManager:
         *,
         known_good_only: bool = False,
         skipped: list[str] | None = None,
+        own_run: bool = False,
     ) -> CheckpointInfo | None:
-        """The newest checkpoint with ``step < before_step`` whose file matches its manifest.
-        Corrupt ones are skipped with a recorded warning (and appended to ``skipped``). Sees
-        what is on disk: call ``flush`` first to include a write still in flight."""
-        for info in self._candidates(before_step, known_good_only, skipped):
+        """The newest checkpoint with ``step < before_step`` whose file matches its manifest
+        (with ``own_run``: written by this run's lineage). Corrupt ones are skipped with a
+        recorded warning (and appended to ``skipped``). Sees what is on disk: call ``flush``
+        first to include a write still in flight."""
+        for info in self._candidates(before_step, known_good_only, skipped, own_run):
             try:
                 self.verify(info)
             except CheckpointCorrupt as e:
@@ -743,10 +770,12 @@ class CheckpointManager:
         *,
         known_good_only: bool = False,
         skipped: list[str] | None = None,
+        own_run: bool = False,
     ) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-        """The newest checkpoint with ``step < before_step`` that verifies *and* loads, with its
-        payload; corrupt ones are skipped (recorded warning, appended to ``skipped``)."""
-        for info in self._candidates(before_step, known_good_only, skipped):
+        """The newest checkpoint with ``step < before_step`` (and, with ``own_run``, of this
+        run's lineage) that verifies *and* loads, with its payload; corrupt ones are skipped
+        (recorded warning, appended to ``skipped``)."""
+        for info in self._candidates(before_step, known_good_only, skipped, own_run):
             try:
                 return info, self.load(info)
             except CheckpointCorrupt as e:
@@ -754,10 +783,18 @@ class CheckpointManager:
         return None
 
     def _candidates(
-        self, before_step: int | None, known_good_only: bool, skipped: list[str] | None
+        self,
+        before_step: int | None,
+        known_good_only: bool,
+        skipped: list[str] | None,
+        own_run: bool = False,
     ) -> Iterator[CheckpointInfo]:
         for info in self.checkpoints():
             if before_step is not None and info.step >= before_step:
+                continue
+            if own_run and info.lineage != self.lineage:
+                if skipped is not None:
+                    skipped.append(f"{info.path.name}: written by another run ({info.lineage})")
                 continue
             if known_good_only and not info.known_good:
                 if skipped is not None:
@@ -795,6 +832,7 @@ class CheckpointManager:
                 saved_at=float(m["saved_at"]),
                 health=m.get("health"),
                 known_good=m.get("known_good") is True,
+                lineage=None if m.get("lineage") is None else str(m["lineage"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointCorrupt(f"{manifest_path.name}: bad manifest field: {e}") from e
@@ -898,6 +936,8 @@ class CheckpointManager:
                 run_unchanged=True,
             ) from e
         self._last_saved_step = int(payload[KEY_STEP])
+        if payload.get(KEY_LINEAGE) is not None:  # the run continues that checkpoint's timeline
+            self.lineage = str(payload[KEY_LINEAGE])
         return int(payload[KEY_STEP])
 
     def _undo_copy(
@@ -925,6 +965,22 @@ class CheckpointManager:
         restore_rng_state(undo[KEY_RNG])
 
     # ----------------------------------------------------------------------------------------
+
+    def _report_foreign(self) -> None:
+        """Warn, once, about checkpoints in the directory that another run wrote."""
+        self._foreign_reported = True
+        with self._dir_lock:
+            foreign = sorted(
+                i.step for i in self._read_manifests(record=False) if i.lineage != self.lineage
+            )
+        if foreign:
+            self.record_warning(
+                f"{len(foreign)} checkpoint(s) in {self.directory} were written by another run "
+                f"(steps {foreign[:10]}{' ...' if len(foreign) > 10 else ''}): they are never "
+                "rolled back to and never deleted by this run, except that a save at the same "
+                "step replaces that file; use a new directory per run, or restore one of them to "
+                "continue that run"
+            )
 
     def record_warning(self, message: str) -> None:
         """Log a warning and keep it in ``warnings``."""

@@ -19,18 +19,27 @@ case needs:
 The scaled LR of a group is ``max(scheduled * scale, min(scheduled, min_lr))``: the reduction
 never takes the LR below ``min_lr``, and never raises it above what the schedule says.
 Tensor-valued LRs are updated in place (``copy_``), with tensor arithmetic: no host sync.
+
+With ``relax_above`` a cut is watched afterwards and relaxed once, by half (log scale), if the
+mechanism it was meant to calm settles beyond its pre-onset level on the other side
+(``remediations.relax``).
 """
 
 from __future__ import annotations
 
 import copyreg
 import weakref
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import ConfigDict, Field
 
 from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
+from remediations.relax import OvershootWatch, watched_series
+
+if TYPE_CHECKING:
+    from agent.samples import Sample
 
 SCHEDULED_LR_KEY = "mechwatch_scheduled_lr"  # param-group key: the LR the schedule set
 ROUTER_PARAMETERS_EXTRA = "router_parameters"  # ActionContext.extras key: router Parameters
@@ -154,6 +163,14 @@ class LRControl:
             scales[g] = self.scale_for(g) * factor
             floors[g] = min_lr
         return scales, floors
+
+    def plan_scales(self, new: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+        """New (scales, floors) with the groups of ``new`` set to its scales (in (0, 1]), the
+        other groups and every floor unchanged; changes nothing."""
+        bad = {g: s for g, s in new.items() if not 0.0 < s <= 1.0}
+        if bad:
+            raise ValueError(f"scales must be in (0, 1], got {bad}")
+        return {**self._scales, **new}, dict(self._floors)
 
     def commit(
         self,
@@ -283,6 +300,16 @@ class LowerLRParams(ActionParams):
             "and group names (the param group's 'name' key)"
         ),
     )
+    relax_above: float | None = Field(
+        None,
+        gt=1.0,
+        description=(
+            "relax the cut once, by half in log scale, when every series of the incident's "
+            "evidence settles beyond this many times its pre-onset baseline on the side "
+            "opposite to the fault (over-damped); None = never"
+        ),
+    )
+    relax_for: int = Field(4, ge=1, description="read-outs in a row beyond relax_above")
 
 
 def select_groups(
@@ -333,6 +360,7 @@ class LowerLR(Action):
 
     def __init__(self, control: LRControl | None = None) -> None:
         self.control = control if control is not None else LRControl()
+        self.watches: list[OvershootWatch] = []  # cuts that may be relaxed once
 
     def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
         assert isinstance(params, LowerLRParams)
@@ -359,14 +387,68 @@ class LowerLR(Action):
                 for i, g in enumerate(optimizer.param_groups)
             ]
             return ActionOutcome(detail, before, {"lr": planned, "lr_scale": after_scales})
+        scale_before = {g: self.control.scale_for(g) for g in chosen}
         self.control.commit(optimizer, ctx.scheduler, scales, floors)
-        after = {
+        after: dict[str, Any] = {
             "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
             "lr_scale": after_scales,
         }
+        # A new cut of a group replaces its watch: the fault came back, the scale was too high.
+        self.watches = [w for w in self.watches if not set(w.groups) & set(chosen)]
+        if params.relax_above is not None:
+            series = watched_series(ctx.incident.evidence if ctx.incident is not None else [])
+            if series:
+                watch = OvershootWatch(
+                    groups=chosen,
+                    scale_before=scale_before,
+                    series=series,
+                    ratio=params.relax_above,
+                    needed=params.relax_for,
+                    incident=ctx.incident.id if ctx.incident is not None else None,
+                )
+                self.watches.append(watch)
+                after["relax_if"] = watch.why()
+            else:
+                detail += "; not watched for overshoot (no evidence with a baseline)"
         return ActionOutcome(detail, before, after)
 
+    # -- the follow-up: relax a cut that overshot ----------------------------------------------
+    @property
+    def watching(self) -> bool:
+        return bool(self.watches)
+
+    def observe(self, ctx: ActionContext, samples: Sequence[Sample]) -> ActionOutcome | None:
+        """Feed one evaluation's samples to the watches; relax the first cut that overshot."""
+        for watch in list(self.watches):
+            if not watch.observe(samples):
+                continue
+            self.watches.remove(watch)  # one relaxation per cut, applied or not
+            optimizer = ctx.optimizer
+            if optimizer is None:
+                raise ValueError("relaxing lower_lr needs the optimizer (ActionContext.optimizer)")
+            n = len(optimizer.param_groups)
+            current = {g: self.control.scale_for(g) for g in range(n)}
+            relaxed = watch.relaxed_scales(current)
+            before = {
+                "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
+                "lr_scale": [current[g] for g in range(n)],
+            }
+            self.control.commit(optimizer, ctx.scheduler, *self.control.plan_scales(relaxed))
+            after = {
+                "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
+                "lr_scale": [self.control.scale_for(g) for g in range(n)],
+            }
+            moves = ", ".join(
+                f"group {g} x{current[g]:.3g} -> x{relaxed[g]:.3g}" for g in watch.groups
+            )
+            incident = f" of incident {watch.incident}" if watch.incident else ""
+            detail = f"relaxed the LR cut{incident} by half (log scale): {moves}; {watch.why()}"
+            return ActionOutcome(detail, before, after)
+        return None
+
     def reapply(self, ctx: ActionContext) -> None:
+        for watch in self.watches:  # the run was restored: count read-outs afresh
+            watch.run = 0
         optimizer = ctx.optimizer
         if optimizer is None:
             return
@@ -374,7 +456,9 @@ class LowerLR(Action):
             self.control.reapply(optimizer, ctx.scheduler)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.control.state_dict()
+        return {**self.control.state_dict(), "watches": [w.to_dict() for w in self.watches]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        watches = [OvershootWatch.from_dict(w) for w in state.get("watches", [])]
         self.control.load_state_dict(state)
+        self.watches = watches

@@ -129,7 +129,7 @@ class RollbackAction(Action):
         skipped: list[str] = []
         if ctx.dry_run:
             info = manager.newest_verified(
-                latest + 1, known_good_only=p.require_known_good, skipped=skipped
+                latest + 1, known_good_only=p.require_known_good, skipped=skipped, own_run=True
             )
             if info is None:
                 message = self._no_usable_message(manager, onset, p, latest, skipped)
@@ -142,7 +142,7 @@ class RollbackAction(Action):
             )
 
         found = manager.load_newest(
-            latest + 1, known_good_only=p.require_known_good, skipped=skipped
+            latest + 1, known_good_only=p.require_known_good, skipped=skipped, own_run=True
         )
         if found is None:
             raise NoUsableCheckpoint(self._no_usable_message(manager, onset, p, latest, skipped))

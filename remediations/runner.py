@@ -19,6 +19,10 @@ belongs to the action instead (``rollback`` enforces its own ``max_per_window``)
 
 After a successful ``rollback`` the runner calls ``reapply`` on every other action, so what
 they changed (LR scale, fp32 attention backward) holds in the restored run.
+
+``observe(samples)`` hands each evaluation's samples to the actions that follow up on their own
+change (``lower_lr`` with ``relax_above``); a follow-up is audited like a run (``follow_up``:
+true) but is part of the change it follows, so cooldowns and caps do not apply to it.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import threading
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from agent.incidents import ActionRecord, Incident
+from agent.samples import Sample
 from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
 from remediations.registry import (
     ACTIONS,
@@ -236,6 +241,45 @@ class ActionRunner:
             incident=incident,
             rule=getattr(request, "rule", None),
         )
+
+    def observe(self, samples: Sequence[Sample]) -> list[ActionResult]:
+        """Give one evaluation's samples to the actions that are watching their own change
+        (call on the training thread after the rules' decisions). Never raises."""
+        results = []
+        for name, inst in list(self._actions.items()):
+            try:
+                if not inst.watching:
+                    continue
+            except Exception:  # a broken user action must not stop the others
+                continue
+            step = self._clock_step if self._clock_step is not None else -1
+            audit: dict[str, Any] = {
+                "action": name,
+                "rule": None,
+                "incident": None,
+                "params": None,
+                "follow_up": True,
+            }
+            try:
+                ctx = self.context_factory()
+                step = ctx.step
+                ctx.extras.setdefault(HPARAMS_EXTRA, self.hparams)
+                outcome = inst.observe(ctx, samples)
+                if outcome is not None and not isinstance(outcome, ActionOutcome):
+                    raise TypeError(
+                        f"{name}.observe returned {type(outcome).__name__}, not an ActionOutcome"
+                    )
+            except Exception as exc:
+                tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                results.append(
+                    self._finish(audit, name, step, False, "failed", f"follow-up failed: {tb}", exc)
+                )
+                continue
+            if outcome is not None:
+                results.append(
+                    self._finish(audit, name, step, False, "applied", outcome.detail, None, outcome)
+                )
+        return results
 
     # -- limits ------------------------------------------------------------------------------
     def note_step(self, step: int) -> None:

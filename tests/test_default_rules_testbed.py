@@ -54,3 +54,13 @@ def test_combined_fault_is_attributed_to_combined(tmp_path, scenario):
     result = _detect(tmp_path, scenario, 1100)
     assert result.attribution == "combined"
     assert {"fa_precision", "router_instability"} <= set(result.first_alert)
+
+
+def test_a_reused_run_directory_reports_only_the_latest_run(tmp_path):
+    """The event log appends; run_supervised summarizes from the last agent start on."""
+    from agent.testbed.supervised import _this_run
+
+    earlier = [{"kind": "start"}, {"kind": "action", "action": "rollback"}, {"kind": "stop"}]
+    latest = [{"kind": "start"}, {"kind": "alert", "rule": "r"}, {"kind": "stop"}]
+    assert _this_run(earlier + latest) == latest
+    assert _this_run(latest[1:]) == latest[1:]  # no start recorded: everything counts

@@ -275,7 +275,7 @@ def test_state_round_trip_and_reapply_after_rollback() -> None:
     restore(after_action, opt2, sched2, ref_opt, ref_sched)
     action2 = LowerLR()
     action2.load_state_dict(action.state_dict())
-    assert action2.state_dict() == {"groups": [[0, 0.4, 0.0], [1, 0.4, 0.0]]}
+    assert action2.state_dict() == {"groups": [[0, 0.4, 0.0], [1, 0.4, 0.0]], "watches": []}
     action2.reapply(ActionContext(step=30, optimizer=opt2, scheduler=sched2))
     for _ in range(50):
         assert all(_close(a, r * 0.4) for a, r in zip(_lrs(opt2), _lrs(ref_opt), strict=True))

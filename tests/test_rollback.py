@@ -414,3 +414,58 @@ def test_base_params_fall_back_to_defaults(tmp_path: Path) -> None:
     run.step = 300
     outcome = RollbackAction().apply(context(run, manager, onset=200), ActionParams())
     assert outcome.after["step"] == 100
+
+
+def test_another_runs_checkpoints_are_never_rolled_back_to_nor_crowd_out_this_runs(
+    tmp_path: Path,
+) -> None:
+    """A new run in a directory that holds an earlier run's checkpoints (some at the same step
+    names, some newer): retention keeps this run's own, a rollback restores this run's state
+    and never falls back on the other run's files."""
+    seed_globals(1)
+    earlier = make_run(init_seed=1)
+    old = make_manager(earlier, tmp_path, every_n_steps=3, keep_last=100)
+    train_and_save(earlier, old, 60)  # steps 3, 6, ..., 60
+    old.close()
+
+    seed_globals(0)
+    run = make_run()
+    manager = make_manager(run, tmp_path, keep_last=3, keep_known_good=0)
+    _, at_save = train_and_save(run, manager, 40)  # steps 5, 10, ..., 40; 15 and 30 replace
+    foreign = [s for s in range(3, 61, 3) if s not in (15, 30)]
+    ours = [30, 35, 40]  # retention: the last 3 of this run, however many newer ones exist
+    assert sorted(i.step for i in manager.checkpoints()) == sorted(ours + foreign)
+    assert any("20 checkpoint(s)" in w and "another run" in w for w in manager.warnings)
+
+    outcome = RollbackAction().apply(
+        context(run, manager, onset=38), RollbackParams(margin_steps=2)
+    )
+    assert outcome.after["step"] == 35
+    assert_bitwise_equal(at_save[35], snapshot(run))
+    assert outcome.after["discarded_steps"] == [40]  # ours only: the other run's files stay
+    assert sorted(i.step for i in manager.checkpoints()) == sorted([30, 35] + foreign)
+    # Nothing of ours at or before step 20: the other run's ckpt-18 is no fallback.
+    with pytest.raises(NoUsableCheckpoint, match="ckpt-18.pt: written by another run"):
+        RollbackAction().apply(context(run, manager, onset=20), RollbackParams(margin_steps=0))
+
+
+def test_restoring_a_checkpoint_continues_its_run(tmp_path: Path) -> None:
+    """Resuming: a fresh manager restores the newest checkpoint of any run and adopts its
+    lineage, so a later rollback may use that run's older checkpoints."""
+    seed_globals(0)
+    first = make_run()
+    manager = make_manager(first, tmp_path)
+    _, at_save = train_and_save(first, manager, 20)
+    manager.close()
+
+    run = make_run(init_seed=5)
+    resumed = make_manager(run, tmp_path)
+    assert resumed.newest_verified(own_run=True) is None  # nothing of its own yet
+    info, payload = resumed.load_newest()
+    assert resumed.restore(payload) == 20 and resumed.lineage == manager.lineage
+    run.step = 20
+    outcome = RollbackAction().apply(
+        context(run, resumed, onset=12), RollbackParams(margin_steps=1)
+    )
+    assert outcome.after["step"] == 10
+    assert_bitwise_equal(at_save[10], snapshot(run))

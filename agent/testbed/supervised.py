@@ -120,7 +120,7 @@ def run_supervised(
     finally:
         agent.close()
         attention_precision.load_state_dict(_NO_FP32)
-    events = read_events(Path(agent_config.run_dir) / "events.jsonl")
+    events = _this_run(read_events(Path(agent_config.run_dir) / "events.jsonl"))
     ordered = [losses[s] for s in sorted(losses)]
     result = SupervisedResult(
         scenario=scenario.scenario,
@@ -153,8 +153,18 @@ def _summarize_events(events: list[dict[str, Any]], agent: Agent, result: Superv
                 result.incidents[0] = e["incident"]
         elif e["kind"] == "action":
             result.actions.append(
-                {k: e.get(k) for k in ("step", "action", "status", "detail", "dry_run", "rule")}
+                {
+                    k: e.get(k)
+                    for k in ("step", "action", "status", "detail", "dry_run", "rule", "follow_up")
+                }
             )
+
+
+def _this_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events from the last agent start on: a run directory used before keeps the earlier
+    runs' events (the event log appends), which must not count for this run."""
+    starts = [i for i, e in enumerate(events) if e.get("kind") == "start"]
+    return events[starts[-1] :] if starts else events
 
 
 def default_agent_config(
