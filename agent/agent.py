@@ -17,7 +17,10 @@ Per ``step()`` on the training thread (cheap, no host-device sync):
     training thread waits for it if it is late), so that every rank feeds the same samples to
     the rules at the same step: decisions are deterministic and made at step boundaries;
   * rules are evaluated on new samples, incidents attributed, pages queued (delivered by a
-    background sender), and actions run here, between steps.
+    background sender), and actions run here, between steps. An action skipped for its
+    cooldown while its rule keeps firing runs once the cooldown is over (if the rule still
+    fires for the same incident); actions that follow up on their own change (``lower_lr``
+    relaxing a cut) see the same samples.
 
 ``step()`` never raises because of the agent's own failure: a broken part is recorded, reported
 once (event log + a warning) and skipped. It raises only ``TrainingHalted`` when a ``halt``
@@ -41,7 +44,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent import samples as m
-from agent.attribution import Attributor
+from agent.attribution import ActionRequest, Attributor
 from agent.config import AgentConfig
 from agent.decisions import decide
 from agent.discovery import find_attention, find_routers
@@ -140,6 +143,9 @@ class Agent:
         self._last_step: int | None = None
         self._last_step_time = time.monotonic()
         self._resume_step: int | None = None
+        # Requests skipped for a cooldown while their rule fired: run when the cooldown ends,
+        # as long as the rule still fires for the same incident.
+        self._deferred: list[ActionRequest] = []
         self._closed = False
 
         # Monitor thread and watchdog.
@@ -320,6 +326,7 @@ class Agent:
             self._page(event)
         for request in decisions.action_requests:
             self._run_action(step, request)
+        self._retry_deferred(step)
         for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
             event = self.attributor.record_action(result.record, step)
             if event is not None:
@@ -337,26 +344,47 @@ class Agent:
         if self.dispatcher is not None:
             self._guarded("page", lambda: self.dispatcher.submit(event), None)
 
-    def _run_action(self, step: int, request) -> None:
+    def _allowed(self, action: str) -> bool:
         cfg = self.config.actions
+        return cfg.enabled and (cfg.allow is None or action in cfg.allow)
+
+    def _run_action(self, step: int, request: ActionRequest) -> None:
         if request.action == "page":
             return  # every incident event is paged already
         incident = self.attributor.open
-        allowed = cfg.enabled and (cfg.allow is None or request.action in cfg.allow)
         self._protect_checkpoints(incident)
         result = self.actions.run(
             request.action,
             request.params,
             incident=incident,
             rule=request.rule,
-            dry_run=not allowed,
+            dry_run=not self._allowed(request.action),
         )
+        if result.retry_in is not None:  # a cooldown: ask again while the rule fires
+            self._deferred.append(request)
         event = self.attributor.record_action(result.record, step)
         if event is not None:
             self._page(event)
         if result.status == "applied" and request.action == "rollback":
             self._after_rollback(int(result.outcome.after["step"]))
         self._escalate_if_needed(step, result)
+
+    def _retry_deferred(self, step: int) -> None:
+        """Run the deferred requests whose cooldown is over, while their rule still fires for
+        the same incident (dropped otherwise). In the order they were asked for."""
+        if not self._deferred:
+            return
+        open_id = self.attributor.open.id if self.attributor.open is not None else None
+        firing = {alert.rule for alert in self.engine.firing()}
+        pending, self._deferred = self._deferred, []
+        for request in pending:
+            if request.incident_id != open_id or request.rule not in firing:
+                continue
+            dry = not self._allowed(request.action)
+            if self.actions.ready(request.action, request.params, step, dry_run=dry):
+                self._run_action(step, request)  # may defer it again
+            else:
+                self._deferred.append(request)
 
     def _escalate_if_needed(self, step: int, result) -> None:
         """A rollback that cannot run safely pages and halts instead of loading garbage."""
@@ -409,6 +437,7 @@ class Agent:
         self._loss_buffer.clear()
         self._grad_buffer.clear()
         self._resume_step = restored + 1
+        self._last_step = restored  # what later actions in this round see as the current step
 
     def _action_context(self):
         from remediations.base import ActionContext
@@ -544,6 +573,7 @@ class Agent:
             "engine": self.engine.state_dict(),
             "attribution": self.attributor.state_dict(),
             "actions": self.actions.state_dict(),
+            "deferred": [dataclasses.asdict(r) for r in self._deferred],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -552,6 +582,7 @@ class Agent:
         self.engine.load_state_dict(state["engine"])
         self.attributor.load_state_dict(state["attribution"])
         self.actions.load_state_dict(state["actions"])
+        self._deferred = [ActionRequest(**r) for r in state.get("deferred", [])]
         self.actions.reapply_all()
 
     def close(self, timeout: float = 10.0) -> None:

@@ -10,7 +10,8 @@ callback are all reported, and an action that raises leaves the run unchanged (a
 or nothing).
 
 Limits (per action, dry runs counted separately from real runs): after a run at step s the
-action may not run again before s + ``cooldown``; at most ``max_per_window`` runs within the
+action may not run again before s + ``cooldown`` (a skip says when: ``ActionResult.retry_in``,
+and ``ready`` tells whether a request would pass now); at most ``max_per_window`` runs within the
 last ``window_steps`` steps. Failed runs count (a failing action is not retried every step).
 Defaults: ``RunPolicy`` (cooldown 500, 3 per 10 000 steps); ``page`` and ``halt`` have no
 cooldown. A rule overrides them with the common keys next to the action's params
@@ -64,6 +65,7 @@ class ActionResult:
     outcome: ActionOutcome | None = None
     error: BaseException | None = None  # what apply (or validation) raised
     reapplied: list[str] = field(default_factory=list)  # actions re-applied after a rollback
+    retry_in: int | None = None  # skipped for a cooldown: training steps until it may run
 
     @property
     def ok(self) -> bool:
@@ -207,7 +209,10 @@ class ActionRunner:
         now = self._clock_at(step)
         why_not = self._limited(cls, name, dry, policy, now)
         if why_not is not None:
-            return self._finish(audit, name, step, dry, "skipped", f"skipped: {why_not}")
+            reason, retry_in = why_not
+            result = self._finish(audit, name, step, dry, "skipped", f"skipped: {reason}")
+            result.retry_in = retry_in
+            return result
 
         self._remember(name, dry, now)
         try:
@@ -282,6 +287,26 @@ class ActionRunner:
         return results
 
     # -- limits ------------------------------------------------------------------------------
+    def ready(
+        self,
+        name: str,
+        params: Mapping[str, Any] | ActionParams | None,
+        step: int,
+        *,
+        dry_run: bool = False,
+    ) -> bool:
+        """Whether ``run`` at ``step`` would pass the cooldown and the cap (a request it cannot
+        parse counts as ready: ``run`` reports it). Changes nothing but the step clock."""
+        try:
+            raw = params.model_dump() if isinstance(params, ActionParams) else dict(params or {})
+            cls = self._class(name)
+            _, overrides = split_action_params_with(cls, raw)
+            policy = default_policy(cls).model_copy(update=overrides)
+        except (ValueError, ValidationError, TypeError):
+            return True
+        dry = self.dry_run or dry_run or policy.dry_run
+        return self._limited(cls, name, dry, policy, self._clock_at(step)) is None
+
     def note_step(self, step: int) -> None:
         """Tell the runner the run is at ``step`` (optional; keeps its clock exact when the
         step goes back for a reason other than a ``rollback`` run through this runner)."""
@@ -298,18 +323,21 @@ class ActionRunner:
 
     def _limited(
         self, cls: type[Action], name: str, dry: bool, policy: RunPolicy, now: int
-    ) -> str | None:
+    ) -> tuple[str, int | None] | None:
+        """Why the action may not run now, and in how many steps it may (None: not by
+        waiting for a cooldown); None when it may run."""
         runs = self._history.get((name, dry), [])
         owned = runner_limits_owned_by_action(cls)
         if runs and "cooldown" not in owned and now - runs[-1] < policy.cooldown:
             left = policy.cooldown - (now - runs[-1])
-            return f"cooldown ({left} more steps; cooldown {policy.cooldown})"
+            return f"cooldown ({left} more steps; cooldown {policy.cooldown})", left
         if "max_per_window" not in owned and "window_steps" not in owned:
             recent = sum(1 for t in runs if t > now - policy.window_steps)
             if recent >= policy.max_per_window:
                 return (
                     f"cap reached ({recent} runs in the last {policy.window_steps} steps; "
-                    f"max_per_window {policy.max_per_window})"
+                    f"max_per_window {policy.max_per_window})",
+                    None,
                 )
         return None
 

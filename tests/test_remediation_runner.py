@@ -180,6 +180,26 @@ def test_cooldown_and_cap_in_steps_and_clock_not_rewound_by_rollback() -> None:
     assert runner.run("lower_lr", {"factor": 0.9, **limits}).status == "applied"
 
 
+def test_a_cooldown_skip_says_when_and_ready_agrees() -> None:
+    run = _Run()
+    runner, _ = _runner(run)
+    limits = {"cooldown": 100, "max_per_window": 2, "window_steps": 1000}
+    assert runner.run("lower_lr", {"factor": 0.9, **limits}).retry_in is None  # applied
+    run.step = 30
+    skipped = runner.run("lower_lr", {"factor": 0.9, **limits})
+    assert skipped.status == "skipped" and skipped.retry_in == 70
+    assert not runner.ready("lower_lr", {"factor": 0.9, **limits}, 99)
+    assert runner.ready("lower_lr", {"factor": 0.9, **limits}, 100)
+    assert runner.ready("lower_lr", {"factor": 0.9, **limits}, 100, dry_run=True)  # own history
+    run.step = 100
+    assert runner.run("lower_lr", {"factor": 0.9, **limits}).status == "applied"
+    run.step = 300  # the cap (2 per 1000 steps), not a cooldown: waiting a little will not do
+    capped = runner.run("lower_lr", {"factor": 0.9, **limits})
+    assert capped.status == "skipped" and capped.retry_in is None
+    assert not runner.ready("lower_lr", {"factor": 0.9, **limits}, 300)
+    assert runner.ready("lower_lr", {"factor": "bad"}, 300)  # run() reports what is wrong
+
+
 def test_dry_run_changes_nothing_and_has_its_own_limits() -> None:
     run = _Run()
     runner, audits = _runner(run)
