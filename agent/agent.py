@@ -17,10 +17,10 @@ Per ``step()`` on the training thread (cheap, no host-device sync):
     training thread waits for it if it is late), so that every rank feeds the same samples to
     the rules at the same step: decisions are deterministic and made at step boundaries;
   * rules are evaluated on new samples, incidents attributed, pages queued (delivered by a
-    background sender), and actions run here, between steps. An action skipped for its
-    cooldown while its rule keeps firing runs once the cooldown is over (if the rule still
-    fires for the same incident); actions that follow up on their own change (``lower_lr``
-    relaxing a cut) see the same samples.
+    background sender), and actions run here, between steps. While a rule keeps firing for
+    the same incident, its actions run again each time their cooldown is over (a fix that did
+    not hold, or one skipped for its cooldown); actions that follow up on their own change
+    (``lower_lr`` relaxing a cut) see the same samples.
 
 ``step()`` never raises because of the agent's own failure: a broken part is recorded, reported
 once (event log + a warning) and skipped. It raises only ``TrainingHalted`` when a ``halt``
@@ -143,9 +143,11 @@ class Agent:
         self._last_step: int | None = None
         self._last_step_time = time.monotonic()
         self._resume_step: int | None = None
-        # Requests skipped for a cooldown while their rule fired: run when the cooldown ends,
-        # as long as the rule still fires for the same incident.
-        self._deferred: list[ActionRequest] = []
+        # Standing requests: actions a rule asked for that ran (or were skipped for their
+        # cooldown); run again whenever the cooldown allows while the rule still fires for
+        # the same incident (a fix that did not hold is applied again, within each action's
+        # cap and the rollback loop guard, which escalates to page + halt).
+        self._standing: list[ActionRequest] = []
         self._closed = False
 
         # Monitor thread and watchdog.
@@ -280,6 +282,8 @@ class Agent:
         orders = tuple(self.config.qk.orders)
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled by a rollback before it started: nothing to compute
             try:
                 future.set_result(compute_qk_samples(job, orders))
             except Exception as exc:
@@ -326,7 +330,7 @@ class Agent:
             self._page(event)
         for request in decisions.action_requests:
             self._run_action(step, request)
-        self._retry_deferred(step)
+        self._run_standing(step)
         for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
             event = self.attributor.record_action(result.record, step)
             if event is not None:
@@ -360,8 +364,10 @@ class Agent:
             rule=request.rule,
             dry_run=not self._allowed(request.action),
         )
-        if result.retry_in is not None:  # a cooldown: ask again while the rule fires
-            self._deferred.append(request)
+        ran = result.status == "applied" or result.retry_in is not None
+        paced = self.actions.cooldown_of(request.action, request.params) > 0
+        if ran and paced and not result.record.dry_run:
+            self._standing.append(request)  # again after the cooldown, if the rule still fires
         event = self.attributor.record_action(result.record, step)
         if event is not None:
             self._page(event)
@@ -369,22 +375,22 @@ class Agent:
             self._after_rollback(int(result.outcome.after["step"]))
         self._escalate_if_needed(step, result)
 
-    def _retry_deferred(self, step: int) -> None:
-        """Run the deferred requests whose cooldown is over, while their rule still fires for
-        the same incident (dropped otherwise). In the order they were asked for."""
-        if not self._deferred:
+    def _run_standing(self, step: int) -> None:
+        """Run the standing requests whose cooldown is over, while their rule still fires for
+        the same incident (dropped otherwise), in the order they were asked for."""
+        if not self._standing:
             return
         open_id = self.attributor.open.id if self.attributor.open is not None else None
         firing = {alert.rule for alert in self.engine.firing()}
-        pending, self._deferred = self._deferred, []
+        pending, self._standing = self._standing, []
         for request in pending:
             if request.incident_id != open_id or request.rule not in firing:
                 continue
             dry = not self._allowed(request.action)
             if self.actions.ready(request.action, request.params, step, dry_run=dry):
-                self._run_action(step, request)  # may defer it again
+                self._run_action(step, request)  # stands again if it ran
             else:
-                self._deferred.append(request)
+                self._standing.append(request)
 
     def _escalate_if_needed(self, step: int, result) -> None:
         """A rollback that cannot run safely pages and halts instead of loading garbage."""
@@ -573,7 +579,7 @@ class Agent:
             "engine": self.engine.state_dict(),
             "attribution": self.attributor.state_dict(),
             "actions": self.actions.state_dict(),
-            "deferred": [dataclasses.asdict(r) for r in self._deferred],
+            "standing": [dataclasses.asdict(r) for r in self._standing],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -582,7 +588,7 @@ class Agent:
         self.engine.load_state_dict(state["engine"])
         self.attributor.load_state_dict(state["attribution"])
         self.actions.load_state_dict(state["actions"])
-        self._deferred = [ActionRequest(**r) for r in state.get("deferred", [])]
+        self._standing = [ActionRequest(**r) for r in state.get("standing", [])]
         self.actions.reapply_all()
 
     def close(self, timeout: float = 10.0) -> None:

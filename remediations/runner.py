@@ -287,6 +287,17 @@ class ActionRunner:
         return results
 
     # -- limits ------------------------------------------------------------------------------
+    def cooldown_of(self, name: str, params: Mapping[str, Any] | None = None) -> int:
+        """The cooldown, in steps, a request for ``name`` runs under (0 for an unknown action
+        or unparsable parameters)."""
+        try:
+            cls = self._class(name)
+            _, overrides = split_action_params_with(cls, dict(params or {}))
+            policy = default_policy(cls).model_copy(update=overrides)
+        except (ValueError, ValidationError, TypeError):
+            return 0
+        return 0 if "cooldown" in runner_limits_owned_by_action(cls) else policy.cooldown
+
     def ready(
         self,
         name: str,

