@@ -330,7 +330,11 @@ class Agent:
             self._page(event)
         for request in decisions.action_requests:
             self._run_action(step, request)
+        if self._resume_step is not None:
+            return  # rolled back: these samples and this step no longer describe the run
         self._run_standing(step)
+        if self._resume_step is not None:
+            return
         for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
             event = self.attributor.record_action(result.record, step)
             if event is not None:
@@ -383,7 +387,10 @@ class Agent:
         open_id = self.attributor.open.id if self.attributor.open is not None else None
         firing = {alert.rule for alert in self.engine.firing()}
         pending, self._standing = self._standing, []
-        for request in pending:
+        for i, request in enumerate(pending):
+            if self._resume_step is not None:  # a rollback just ran: look again next round
+                self._standing.extend(pending[i:])
+                return
             if request.incident_id != open_id or request.rule not in firing:
                 continue
             dry = not self._allowed(request.action)

@@ -301,3 +301,38 @@ def test_a_standing_request_is_dropped_when_the_rule_stops_firing(tmp_path):
     actions = [(a["step"], a["status"]) for a in events if a["kind"] == "action"]
     assert actions == [(10, "applied"), (20, "skipped")]
     assert agent.lr_scale == pytest.approx(0.5)
+
+
+def test_after_a_rollback_the_cooldown_clock_counts_only_steps_run(tmp_path):
+    """The actions of the round that rolled back, and the standing ones later, see the restored
+    step: lower_lr (cooldown 15) runs at the restored step 10 and next at 25, 15 steps run
+    later (counting the abandoned steps 11-20 twice would make it 20)."""
+    rules = tmp_path / "roll.yaml"
+    rules.write_text(
+        "groups:\n  - name: g\n    rules:\n"
+        "      - name: always\n        metric: loss\n"
+        "        detector: {type: threshold, above: 0.0}\n        for: 0\n        start_step: 20\n"
+        "        severity: critical\n        family: symptom\n"
+        "        actions: [{rollback: {margin_steps: 5, cooldown: 100}},"
+        " {lower_lr: {factor: 0.5, cooldown: 15}}]\n"
+    )
+    run = _run(steps=40)
+    cfg = _config(
+        tmp_path,
+        rules=[rules],
+        symptoms={"every": 5},
+        checkpoints={"enabled": True, "every": 10, "keep_last": 5},
+    )
+    agent = Agent(run.model, run.optimizer, run.scheduler, cfg)
+    step = 0
+    while step < 35:
+        loss = run.step()
+        step = agent.step(step, loss=loss)
+    agent.close()
+    actions = [e for e in read_events(tmp_path / "run/events.jsonl") if e["kind"] == "action"]
+    assert [(a["action"], a["status"], a["step"]) for a in actions] == [
+        ("rollback", "applied", 20),
+        ("lower_lr", "applied", 10),
+        ("lower_lr", "applied", 25),
+    ]
+    assert agent.lr_scale == pytest.approx(0.25)
