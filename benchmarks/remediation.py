@@ -11,6 +11,10 @@ and without the agent, and for router faults the routing entropy at the end agai
 runs' band: [min, max] of the clean runs' end entropy over every clean seed recorded under
 --root (at least the benchmarked seeds), widened by 15 % of the value (the rule of
 agent.testbed.bands.clean_band).
+
+--router-lr-mult M runs the router fault with the router LR multiplied by M instead of the
+preset's 30 (its detect-only runs are recorded under --root as router_instability_xM_s<seed>):
+the same rules against faults of other strengths.
 """
 
 from __future__ import annotations
@@ -28,15 +32,26 @@ from agent.testbed.scenarios import ScenarioConfig
 from agent.testbed.supervised import default_agent_config, run_supervised, set_threads
 
 
-def _recorded(root: Path, scenario: str, seed: int, steps: int) -> dict:
-    folder = root / f"{scenario}_s{seed}"
+def _preset(scenario: str, seed: int, steps: int, router_lr_mult: float | None) -> ScenarioConfig:
+    extra = {} if router_lr_mult is None else {"router_lr_mult": router_lr_mult}
+    return ScenarioConfig.preset(scenario, seed=seed, steps=steps, **extra)
+
+
+def _label(scenario: str, router_lr_mult: float | None) -> str:
+    return scenario if router_lr_mult is None else f"{scenario}_x{router_lr_mult:g}"
+
+
+def _recorded(
+    root: Path, scenario: str, seed: int, steps: int, router_lr_mult: float | None = None
+) -> dict:
+    folder = root / f"{_label(scenario, router_lr_mult)}_s{seed}"
     result = folder / "result.json"
     if result.exists():
         data = json.loads(result.read_text())
         if data["steps"] == steps:
             return data
     config = default_agent_config(folder, remediate=False, checkpoints={"enabled": False})
-    data = run_supervised(ScenarioConfig.preset(scenario, seed=seed, steps=steps), config).to_dict()
+    data = run_supervised(_preset(scenario, seed, steps, router_lr_mult), config).to_dict()
     folder.mkdir(parents=True, exist_ok=True)
     result.write_text(json.dumps(data, default=str))
     return data
@@ -74,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=Path("out/lead_time"))
     p.add_argument("--work", type=Path, default=Path("out/remediation"))
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--router-lr-mult", type=float, default=None, help="router fault strength")
     args = p.parse_args(argv)
     set_threads(1)
     cols = [
@@ -98,14 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     in_band_runs: list[bool] = []
     for scenario in args.scenarios:
         for seed in args.seeds:
+            mult = args.router_lr_mult if scenario in ("router_instability", "combined") else None
             clean = _recorded(args.root, "clean", seed, args.steps)
-            detect = _recorded(args.root, scenario, seed, args.steps)
-            folder = args.work / f"{scenario}_s{seed}"
+            detect = _recorded(args.root, scenario, seed, args.steps, mult)
+            folder = args.work / f"{_label(scenario, mult)}_s{seed}"
             shutil.rmtree(folder, ignore_errors=True)  # a fresh run: no earlier events or files
             config = default_agent_config(folder, remediate=True)
-            result = run_supervised(
-                ScenarioConfig.preset(scenario, seed=seed, steps=args.steps), config
-            )
+            result = run_supervised(_preset(scenario, seed, args.steps, mult), config)
             applied = [
                 a["action"] + (" (relaxed)" if a.get("follow_up") else "")
                 for a in result.actions
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             if scenario in ("router_instability", "combined"):
                 in_band_runs.append(inside)
             row = [
-                scenario,
+                _label(scenario, mult),
                 seed,
                 ", ".join(applied) or "-",
                 result.rolled_back_steps,
