@@ -71,6 +71,11 @@ def _as_float(lr: LR) -> float:
     return float(lr)  # for audit records only (a host sync when the LR lives on a device)
 
 
+def _lr_record(optimizer: torch.optim.Optimizer, scales: list[float]) -> dict[str, Any]:
+    """An audit record's before/after values: every group's LR and scale."""
+    return {"lr": [_as_float(g["lr"]) for g in optimizer.param_groups], "lr_scale": scales}
+
+
 # scheduler -> the LRControl that scales its optimizer (weak: a dropped scheduler goes away)
 _controls: weakref.WeakKeyDictionary[Any, LRControl] = weakref.WeakKeyDictionary()
 _scaled_classes: dict[type, type] = {}
@@ -369,10 +374,9 @@ class LowerLR(Action):
             raise ValueError("lower_lr needs the optimizer (ActionContext.optimizer is None)")
         chosen = select_groups(optimizer, params.groups, ctx.extras.get(ROUTER_PARAMETERS_EXTRA))
         scales, floors = self.control.plan(optimizer, chosen, params.factor, params.min_lr)
-        before = {
-            "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
-            "lr_scale": [self.control.scale_for(i) for i in range(len(optimizer.param_groups))],
-        }
+        before = _lr_record(
+            optimizer, [self.control.scale_for(i) for i in range(len(optimizer.param_groups))]
+        )
         after_scales = [scales.get(i, 1.0) for i in range(len(optimizer.param_groups))]
         detail = f"LR x{params.factor:g} (floor {params.min_lr:g}) on param groups {chosen}" + (
             "" if ctx.scheduler is None else f", kept by {type(ctx.scheduler).__name__}"
@@ -389,10 +393,7 @@ class LowerLR(Action):
             return ActionOutcome(detail, before, {"lr": planned, "lr_scale": after_scales})
         scale_before = {g: self.control.scale_for(g) for g in chosen}
         self.control.commit(optimizer, ctx.scheduler, scales, floors)
-        after: dict[str, Any] = {
-            "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
-            "lr_scale": after_scales,
-        }
+        after = _lr_record(optimizer, after_scales)
         # A new cut of a group replaces its watch: the fault came back, the scale was too high.
         self.watches = [w for w in self.watches if not set(w.groups) & set(chosen)]
         if params.relax_above is not None:
@@ -429,15 +430,9 @@ class LowerLR(Action):
             n = len(optimizer.param_groups)
             current = {g: self.control.scale_for(g) for g in range(n)}
             relaxed = watch.relaxed_scales(current)
-            before = {
-                "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
-                "lr_scale": [current[g] for g in range(n)],
-            }
+            before = _lr_record(optimizer, [current[g] for g in range(n)])
             self.control.commit(optimizer, ctx.scheduler, *self.control.plan_scales(relaxed))
-            after = {
-                "lr": [_as_float(g["lr"]) for g in optimizer.param_groups],
-                "lr_scale": [self.control.scale_for(g) for g in range(n)],
-            }
+            after = _lr_record(optimizer, [self.control.scale_for(g) for g in range(n)])
             moves = ", ".join(
                 f"group {g} x{current[g]:.3g} -> x{relaxed[g]:.3g}" for g in watch.groups
             )

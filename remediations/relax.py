@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from agent.incidents import Evidence
@@ -90,7 +90,7 @@ class OvershootWatch:
     ratio: float  # relax_above (> 1)
     needed: int  # relax_for: read-outs in a row
     incident: str | None = None  # the incident id that asked for the cut
-    run: int = field(default=0)  # consecutive read-outs with every series beyond
+    run: int = 0  # consecutive read-outs with every series beyond
 
     def observe(self, samples: Sequence[Sample]) -> bool:
         """Count a read-out in which every watched series was measured; True = relax now."""

@@ -191,10 +191,7 @@ class ActionRunner:
             ),
         }
         try:
-            raw = params.model_dump() if isinstance(params, ActionParams) else dict(params or {})
-            cls = self._class(name)
-            action_params, overrides = split_action_params_with(cls, raw)
-            policy = default_policy(cls).model_copy(update=overrides)
+            cls, action_params, policy = self._parse(name, params)
             dry = dry or policy.dry_run
         except (ValueError, ValidationError, TypeError) as exc:
             return self._finish(audit, name, step, dry, "failed", f"invalid request: {exc}", exc)
@@ -287,13 +284,20 @@ class ActionRunner:
         return results
 
     # -- limits ------------------------------------------------------------------------------
+    def _parse(
+        self, name: str, params: Mapping[str, Any] | ActionParams | None
+    ) -> tuple[type[Action], ActionParams, RunPolicy]:
+        """The action class, its validated parameters and the run policy of a request."""
+        raw = params.model_dump() if isinstance(params, ActionParams) else dict(params or {})
+        cls = self._class(name)
+        action_params, overrides = split_action_params_with(cls, raw)
+        return cls, action_params, default_policy(cls).model_copy(update=overrides)
+
     def cooldown_of(self, name: str, params: Mapping[str, Any] | None = None) -> int:
         """The cooldown, in steps, a request for ``name`` runs under (0 for an unknown action
         or unparsable parameters)."""
         try:
-            cls = self._class(name)
-            _, overrides = split_action_params_with(cls, dict(params or {}))
-            policy = default_policy(cls).model_copy(update=overrides)
+            cls, _, policy = self._parse(name, params)
         except (ValueError, ValidationError, TypeError):
             return 0
         return 0 if "cooldown" in runner_limits_owned_by_action(cls) else policy.cooldown
@@ -309,10 +313,7 @@ class ActionRunner:
         """Whether ``run`` at ``step`` would pass the cooldown and the cap (a request it cannot
         parse counts as ready: ``run`` reports it). Changes nothing but the step clock."""
         try:
-            raw = params.model_dump() if isinstance(params, ActionParams) else dict(params or {})
-            cls = self._class(name)
-            _, overrides = split_action_params_with(cls, raw)
-            policy = default_policy(cls).model_copy(update=overrides)
+            cls, _, policy = self._parse(name, params)
         except (ValueError, ValidationError, TypeError):
             return True
         dry = self.dry_run or dry_run or policy.dry_run

@@ -249,10 +249,9 @@ def test_rollback_in_a_real_loop_restores_the_checkpoint_and_moves_the_step_back
     ]
 
 
-def test_a_rules_actions_run_again_each_cooldown_while_it_keeps_firing(tmp_path):
-    """lower_lr runs for the first incident; the fault returns within the cooldown: the request
-    waits and runs when the cooldown is over; the fault stays: it runs again a cooldown later
-    (a fix that did not hold is applied again)."""
+def _loss_rule_agent(tmp_path: Path, steps: int) -> tuple[TestbedRun, Agent]:
+    """An agent whose one rule fires while the reported loss is above 5 and then lowers the
+    LR (x0.5, cooldown 30 steps); the loss is whatever the test reports."""
     rules = tmp_path / "jump.yaml"
     rules.write_text(
         "groups:\n  - name: g\n    rules:\n"
@@ -261,33 +260,34 @@ def test_a_rules_actions_run_again_each_cooldown_while_it_keeps_firing(tmp_path)
         "        severity: warning\n        family: symptom\n"
         "        actions: [{lower_lr: {factor: 0.5, cooldown: 30}}]\n"
     )
-    run = _run(steps=80)
+    run = _run(steps=steps)
     cfg = _config(tmp_path, rules=[rules], symptoms={"every": 5})
-    agent = Agent(run.model, run.optimizer, run.scheduler, cfg)
+    return run, Agent(run.model, run.optimizer, run.scheduler, cfg)
+
+
+def _action_steps(tmp_path: Path) -> list[tuple[int, str]]:
+    events = read_events(tmp_path / "run/events.jsonl")
+    return [(a["step"], a["status"]) for a in events if a["kind"] == "action"]
+
+
+def test_a_rules_actions_run_again_each_cooldown_while_it_keeps_firing(tmp_path):
+    """lower_lr runs for the first incident; the fault returns within the cooldown: the request
+    waits and runs when the cooldown is over; the fault stays: it runs again a cooldown later
+    (a fix that did not hold is applied again)."""
+    run, agent = _loss_rule_agent(tmp_path, steps=80)
     for step in range(80):
         run.step()
         agent.step(step, loss=10.0 if 10 <= step < 15 or step >= 20 else 1.0)
     state = agent.state_dict()
     agent.close()
-    events = read_events(tmp_path / "run/events.jsonl")
-    actions = [(a["step"], a["status"]) for a in events if a["kind"] == "action"]
+    actions = _action_steps(tmp_path)
     assert actions == [(10, "applied"), (20, "skipped"), (40, "applied"), (70, "applied")]
     assert agent.lr_scale == pytest.approx(0.125)
     assert [r["action"] for r in state["standing"]] == ["lower_lr"]  # the rule still fires
 
 
 def test_a_standing_request_is_dropped_when_the_rule_stops_firing(tmp_path):
-    rules = tmp_path / "jump.yaml"
-    rules.write_text(
-        "groups:\n  - name: g\n    rules:\n"
-        "      - name: high\n        metric: loss\n"
-        "        detector: {type: threshold, above: 5.0}\n        for: 0\n"
-        "        severity: warning\n        family: symptom\n"
-        "        actions: [{lower_lr: {factor: 0.5, cooldown: 30}}]\n"
-    )
-    run = _run(steps=60)
-    cfg = _config(tmp_path, rules=[rules], symptoms={"every": 5})
-    agent = Agent(run.model, run.optimizer, run.scheduler, cfg)
+    run, agent = _loss_rule_agent(tmp_path, steps=60)
     for step in range(25):
         run.step()
         agent.step(step, loss=10.0 if 10 <= step < 15 or 20 <= step < 25 else 1.0)
@@ -297,8 +297,7 @@ def test_a_standing_request_is_dropped_when_the_rule_stops_firing(tmp_path):
         run.step()
         agent.step(step, loss=1.0)
     agent.close()
-    events = read_events(tmp_path / "run/events.jsonl")
-    actions = [(a["step"], a["status"]) for a in events if a["kind"] == "action"]
+    actions = _action_steps(tmp_path)
     assert actions == [(10, "applied"), (20, "skipped")]
     assert agent.lr_scale == pytest.approx(0.5)
 
