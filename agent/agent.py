@@ -6,64 +6,78 @@
         agent.step(step, loss=loss)
     agent.close()
 
-Per ``step()`` on the training thread (cheap, no host-device sync):
-  * the loss (and grad norm) are buffered as device tensors; every ``symptoms.every`` steps
-    they are read in one transfer and become samples;
-  * every ``router.every`` steps the router hooks' device-side sums are read (one transfer);
-  * every ``qk.delta`` steps fp32 snapshots of the sampled Q/K weights are taken and a job is
-    handed to the monitor thread (APScheduler ``BackgroundScheduler``), which computes the
-    spectra from the snapshots, never from live weights;
-  * a monitor result measured at step t is applied at step t + ``scheduling.apply_lag`` (the
-    training thread waits for it if it is late), so that every rank feeds the same samples to
-    the rules at the same step: decisions are deterministic and made at step boundaries;
-  * rules are evaluated on new samples, incidents attributed, pages queued (delivered by a
-    background sender), and actions run here, between steps. While a rule keeps firing for
-    the same incident, its actions run again each time their cooldown is over (a fix that did
-    not hold, or one skipped for its cooldown); actions that follow up on their own change
-    (``lower_lr`` relaxing a cut) see the same samples.
+Data flows one way (README "Architecture"):
 
-``step()`` never raises because of the agent's own failure: a broken part is recorded, reported
-once (event log + a warning) and skipped. It raises only ``TrainingHalted`` when a ``halt``
-action asked for a stop (or sets ``should_stop`` in flag mode).
+    agent.step -> measurements (probes, monitors) -> samples -> decision round
+      (series store -> rules -> attribution -> pacing) -> actions (training thread)
+                                                       -> pages (notifiers, never blocking)
+
+Per ``step()`` on the training thread (cheap, no host-device sync): the loss and grad norm are
+checked at the call (``agent.step_inputs``) and buffered; ``agent.measurements`` returns the
+samples due at this step (symptoms, router read-outs, QK spectra computed off the training
+thread on snapshots and applied at t + ``scheduling.apply_lag``); when there are samples, one
+decision round (``agent.decisions``) turns them into alert transitions, incident events (paged
+through the dispatcher's outbox) and paced action admissions, which run here, between steps;
+then, on checkpoint steps, a checkpoint is queued. Each of these parts is guarded on its own.
+
+The watchdog (``seconds_since_step``, for the ``hung_run`` rule) runs on a timer off the
+training thread and feeds its samples into the same decision round (under the same lock); the
+actions its rules ask for run at the next step boundary.
+
+``step()`` never raises because of the agent's own failure or a malformed input: a broken part
+is recorded, reported once (event log + a warning) and skipped. It raises only
+``TrainingHalted`` when a ``halt`` action asked for a stop (or sets ``should_stop`` in flag
+mode).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import math
+import threading
 import time
-import warnings
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from apscheduler.executors.pool import ThreadPoolExecutor
-from apscheduler.schedulers.background import BackgroundScheduler
 
 from agent import samples as m
-from agent.attribution import ActionRequest, Attributor
+from agent.attribution import MECHANISM_FAMILIES, Attributor
+from agent.checkpoints import CheckpointManager, CheckpointStore
 from agent.config import AgentConfig
 from agent.decisions import decide
 from agent.discovery import find_attention, find_routers
-from agent.eventlog import EventLog
+from agent.eventlog import EVENT_LOG_FORMAT, EventLog
+from agent.failures import FailureLog
 from agent.incidents import Incident, IncidentEvent, RunContext
+from agent.measurements import Measurements
+from agent.monitor_thread import MonitorThread
+from agent.notify.base import Notifier
+from agent.notify.dispatcher import PageDispatcher
 from agent.notify.factory import build_dispatcher
-from agent.probes import QKSnapshots, RouterProbe, compute_qk_samples
 from agent.rules.engine import RuleEngine
 from agent.rules.loader import default_rule_files, load_rule_files
 from agent.samples import Sample
+from agent.step_inputs import check_scalar, check_step
 from agent.store import SeriesStore
-
-log = logging.getLogger("mechwatch")
+from remediations.attention import AttentionPrecisionSwitch
+from remediations.base import Action, ActionContext
+from remediations.hparams import HyperparameterRequests
+from remediations.pacing import ESCALATION_ACTION, Admission, Pacing
+from remediations.registry import validate_action
+from remediations.runner import ActionResult, ActionRunner
 
 STATE_VERSION = 1
 
 
 class Agent:
-    """In-process training monitor. See the module docstring for what happens per step."""
+    """In-process training monitor. See the module docstring for what happens per step.
+
+    Injectable parts (each defaults to what ``config`` builds): ``notifiers`` (pages go to
+    these, through the durable outbox), ``checkpoints`` (a ``CheckpointStore`` for periodic
+    checkpoints and rollback), ``attention_switch`` (the run's FP32-backward switch; default
+    the process-wide ``remediations.attention.attention_precision``), ``actions`` (the action
+    registry, name -> class; default ``remediations.registry.ACTIONS``).
+    """
 
     def __init__(
         self,
@@ -74,99 +88,91 @@ class Agent:
         *,
         data_state: Callable[[], Any] | None = None,
         restore_data: Callable[[Any, int], None] | None = None,
+        notifiers: Sequence[Notifier] | None = None,
+        checkpoints: CheckpointStore | None = None,
+        attention_switch: AttentionPrecisionSwitch | None = None,
+        actions: Mapping[str, type[Action]] | None = None,
     ) -> None:
         self.config = config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.attention_switch = attention_switch
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.context = RunContext(run_name=config.run_name)
-        self._reported: set[str] = set()
+        self._lock = threading.Lock()  # one decision round at a time (training + watchdog)
         self.should_stop = False
+        self._closed = False
+        self._last_step: int | None = None
 
         # Rules first: a broken rule file fails here, not in the middle of a run.
-        from remediations.registry import validate_action
-
         paths = config.rules if config.rules is not None else default_rule_files()
         self.ruleset = load_rule_files(paths, action_validator=validate_action)
         self.store = SeriesStore()
         self.engine = RuleEngine(self.ruleset, self.store)
 
-        # Probes.
-        self.attention_sites = find_attention(model, config.discovery) if config.qk.enabled else []
-        self.router_sites = find_routers(model, config.discovery) if config.router.enabled else []
-        self.router_probe = RouterProbe(self.router_sites, config.router.default_top_k)
-        self.router_probe.attach()
-        self.qk = QKSnapshots(
-            self.attention_sites,
-            delta=config.qk.delta,
-            layers_per_eval=config.qk.layers_per_eval,
-            heads_per_layer=config.qk.heads_per_layer,
-            device=config.qk.snapshot_device,
-        )
-        monitored = set()
-        if self.attention_sites:
-            monitored.add("fa_precision")
-        if self.router_sites:
-            monitored.add("router_instability")
-        repeat = config.notify.repeat_every_steps
-        self.attributor = Attributor(
-            self.context,
-            monitored_families=monitored,
-            **({"repeat_every_steps": repeat} if repeat is not None else {}),
-        )
-
-        # Sinks and pages.
-        # Every rank keeps its own event log; only rank 0 pages (one outbox per run dir).
+        # Sinks: every rank keeps its own event log; only rank 0 pages.
         rank = self.context.rank
         self.events = EventLog(
             self.run_dir / ("events.jsonl" if rank == 0 else f"events.rank{rank}.jsonl")
         )
-        self.dispatcher = (
-            build_dispatcher(config.notify, self.run_dir, event_log=self.events)
-            if rank == 0
-            else None
+        self.failures = FailureLog(
+            self.events, lambda: -1 if self._last_step is None else self._last_step
+        )
+        self._guarded, self._write = self.failures.guarded, self.failures.write
+        self.dispatcher = self._build_dispatcher(notifiers) if rank == 0 else None
+
+        # Measurements (probes, monitors) on a monitor thread.
+        self.thread = MonitorThread()
+        self.attention_sites = find_attention(model, config.discovery) if config.qk.enabled else []
+        self.router_sites = find_routers(model, config.discovery) if config.router.enabled else []
+        self.measurements = Measurements(
+            model,
+            config,
+            self.attention_sites,
+            self.router_sites,
+            submit=self.thread.submit,
+            report=self.failures.report,
         )
 
-        # Actions.
-        from remediations.runner import ActionRunner
-
-        self.checkpoints = self._build_checkpoints(data_state, restore_data)
+        # Decisions and actions.
+        monitored = {
+            family
+            for family, sites in zip(
+                MECHANISM_FAMILIES, (self.attention_sites, self.router_sites), strict=True
+            )
+            if sites
+        }
+        self.attributor = Attributor(self.context, monitored_families=monitored)
+        self.hparams = HyperparameterRequests()
+        self.checkpoints = (
+            checkpoints
+            if checkpoints is not None
+            else self._build_checkpoints(data_state, restore_data)
+        )
         self.actions = ActionRunner(
-            self._action_context, audit=self._audit, dry_run=config.actions.dry_run
+            self._action_context,
+            audit=self._audit,
+            dry_run=config.actions.dry_run,
+            actions=actions,
         )
-
-        # Per-step buffers (device tensors, read every `symptoms.every` steps).
-        self._loss_buffer: list[tuple[int, torch.Tensor | float]] = []
-        self._grad_buffer: list[tuple[int, torch.Tensor | float]] = []
-        self._pending: list[tuple[int, Future]] = []  # (due step, future of samples)
+        self.pacing = Pacing(
+            self.actions.limits_of,
+            rule_cooldowns={r.name: r.spec.cooldown for r in self.ruleset},
+            dry_run_of=lambda action: config.actions.dry_run or not self._allowed(action),
+            repeat_every_steps=config.notify.repeat_every_steps,
+            repeat_every_s=config.notify.repeat_every_s,
+        )
         self._evaluations = 0
-        self._last_step: int | None = None
         self._last_step_time = time.monotonic()
         self._resume_step: int | None = None
-        # Standing requests: actions a rule asked for that ran (or were skipped for their
-        # cooldown); run again whenever the cooldown allows while the rule still fires for
-        # the same incident (a fix that did not hold is applied again, within each action's
-        # cap and the rollback loop guard, which escalates to page + halt).
-        self._standing: list[ActionRequest] = []
-        self._closed = False
 
-        # Monitor thread and watchdog.
-        self._scheduler = BackgroundScheduler(
-            executors={"default": ThreadPoolExecutor(max_workers=1)},
-            job_defaults={"coalesce": False, "max_instances": 1, "misfire_grace_time": None},
-        )
-        self._build_watchdog()
         if config.watchdog.enabled:
-            self._scheduler.add_job(
-                self._watchdog,
-                "interval",
-                seconds=config.watchdog.check_every_s,
-                id="mechwatch-watchdog",
-            )
-        self._scheduler.start()
+            self.thread.every(config.watchdog.check_every_s, self._watchdog, "mechwatch-watchdog")
+        self.thread.start()
         self.events.write(
             "start",
             -1,
+            format=EVENT_LOG_FORMAT,
             run=config.run_name,
             attention_layers=[s.name for s in self.attention_sites],
             routers=[s.name for s in self.router_sites],
@@ -187,12 +193,18 @@ class Agent:
 
         return cls(model, optimizer, scheduler, load_agent_config(path), **kwargs)
 
+    def _build_dispatcher(self, notifiers: Sequence[Notifier] | None) -> PageDispatcher | None:
+        notify = self.config.notify
+        if notifiers is None:
+            return build_dispatcher(notify, self.run_dir, event_log=self.events)
+        if not notifiers:
+            return None
+        return PageDispatcher(list(notifiers), self.run_dir, delivery=notify.delivery)
+
     def _build_checkpoints(self, data_state, restore_data):
         cfg = self.config.checkpoints
         if not cfg.enabled:
             return None
-        from remediations.checkpoint import CheckpointManager
-
         return CheckpointManager(
             cfg.directory or self.run_dir / "checkpoints",
             every_n_steps=cfg.every,
@@ -204,7 +216,15 @@ class Agent:
             agent_state=self.state_dict,
             data_state=data_state,
             restore_data=restore_data,
+            report=self._checkpoint_report,
         )
+
+    def _checkpoint_report(self, kind: str, message: str) -> None:
+        """The checkpoint writer names a failed save's cause once (the manager warned
+        already), and its recovery: ``error`` and ``recovered`` records."""
+        step = -1 if self._last_step is None else self._last_step
+        record = "recovered" if kind.endswith("recovered") else "error"
+        self._write(record, step, what="checkpoint", error=message)
 
     def __enter__(self) -> Agent:
         return self
@@ -224,125 +244,138 @@ class Agent:
         self._last_step_time = time.monotonic()
         self._raise_if_halted()
         try:
-            self._step(step, loss, grad_norm)
-        except Exception as exc:  # the agent's own failure never stops training
-            self._report("step", exc)
+            step = check_step(step)
+        except TypeError as exc:
+            self.failures.exception("agent.step", exc)
+            return step  # type: ignore[return-value]  # nothing sensible to add 1 to
+        values = {}
+        for name, value in (("loss", loss), ("grad_norm", grad_norm)):
+            checked = check_scalar(name, value)
+            if checked.problem is not None:
+                self.failures.report("agent.step", checked.problem)
+            values[name] = checked.value
+        self._last_step = step
+        self._guarded(
+            "measurements",
+            lambda: self.measurements.record(step, values["loss"], values["grad_norm"]),
+            None,
+        )
+        new = self._guarded("measurements", lambda: self.measurements.collect(step), [])
+        if new:
+            self._guarded("decisions", lambda: self._round(step, new), None)
+        if self._resume_step is None and self.checkpoints is not None:
+            self._guarded("checkpoint", lambda: self._checkpoint(step), None)
         self._raise_if_halted()
         if self._resume_step is not None:
             resume, self._resume_step = self._resume_step, None
             return resume
         return step + 1
 
-    def _step(self, step: int, loss, grad_norm) -> None:
-        cfg = self.config
-        self._last_step = step
-        if loss is not None:
-            self._loss_buffer.append((step, _detached(loss)))
-        if grad_norm is not None:
-            self._grad_buffer.append((step, _detached(grad_norm)))
-        elif cfg.symptoms.grad_norm and step % cfg.symptoms.every == 0:
-            norm = _grad_norm(self.model)
-            if norm is not None:
-                self._grad_buffer.append((step, norm))
+    def _checkpoint(self, step: int) -> None:
+        """Queue a checkpoint on checkpoint steps. Never in a round that rolled back: the
+        model then holds the restored state, not the state after ``step``."""
+        if step % self.config.checkpoints.every == 0:
+            self.checkpoints.maybe_save(step, health=self.health())
 
-        new: list[Sample] = []
-        if step % cfg.symptoms.every == 0:
-            new += self._read_symptoms()
-        if self.router_sites and step % cfg.router.every == 0:
-            new += self._guarded("router probe", lambda: self.router_probe.read(step), [])
-            for err in self.router_probe.errors:
-                self._report_text("router probe", err)
-            self.router_probe.errors.clear()
-        for job in self._guarded("qk snapshot", lambda: self.qk.on_step(step), []):
-            self._pending.append((step + cfg.scheduling.apply_lag, self._submit(job)))
-        new += self._collect_due(step)
-        if new:
-            self._ingest(step, new)
-        if self.checkpoints is not None and step % cfg.checkpoints.every == 0:
-            self._guarded(
-                "checkpoint", lambda: self.checkpoints.maybe_save(step, health=self.health()), None
+    # ------------------------------------------------------------------ decisions
+    def _round(self, step: int, new: list[Sample], *, act: bool = True) -> None:
+        """One decision round (training thread, or the watchdog with ``act=False``)."""
+        with self._lock:
+            self._evaluations += 1
+            if self._evaluations % self.config.metrics_every == 0:
+                samples = [[s.step, s.metric, s.label_dict, s.value] for s in new]
+                self._write("metrics", step, samples=samples)
+            decisions = decide(
+                self.engine, self.attributor, self.pacing, step, new, time.time(), act=act
             )
-
-    def _read_symptoms(self) -> list[Sample]:
-        out: list[Sample] = []
-        for buffer, metric in ((self._loss_buffer, m.LOSS), (self._grad_buffer, m.GRAD_NORM)):
-            if not buffer:
-                continue
-            steps = [s for s, _ in buffer]
-            values = _to_floats([v for _, v in buffer])  # one host transfer
-            buffer.clear()
-            for s, v in zip(steps, values, strict=True):
-                out.append(Sample.make(s, metric, v))
-                if metric == m.LOSS:
-                    out.append(Sample.make(s, m.LOSS_NONFINITE, 0.0 if math.isfinite(v) else 1.0))
-        return out
-
-    def _submit(self, job) -> Future:
-        future: Future = Future()
-        orders = tuple(self.config.qk.orders)
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return  # cancelled by a rollback before it started: nothing to compute
-            try:
-                future.set_result(compute_qk_samples(job, orders))
-            except Exception as exc:
-                future.set_exception(exc)
-
-        self._scheduler.add_job(run)
-        return future
-
-    def _collect_due(self, step: int) -> list[Sample]:
-        out: list[Sample] = []
-        keep: list[tuple[int, Future]] = []
-        for due, future in self._pending:
-            if due > step:
-                keep.append((due, future))
-                continue
-            try:
-                out += future.result(timeout=self.config.scheduling.max_wait_s)
-            except Exception as exc:
-                self._report("qk monitor", exc)
-        self._pending = keep
-        return out
-
-    def _ingest(self, step: int, new: list[Sample]) -> None:
-        self._evaluations += 1
-        if self._evaluations % self.config.metrics_every == 0:
-            self.events.write(
-                "metrics", step, samples=[[s.step, s.metric, s.label_dict, s.value] for s in new]
-            )
-        decisions = decide(self.engine, self.attributor, step, new, time.time())
-        for problem in decisions.problems:
-            self._report_text(f"rule {problem.rule}", problem.error)
-        for t in decisions.transitions:
-            self.events.write(
-                "alert",
-                step,
-                rule=t.rule,
-                labels=dict(t.labels),
-                transition=f"{t.from_state}->{t.to_state}",
-                value=t.alert.value,
-                baseline=t.alert.baseline,
-                onset_step=t.alert.onset_step,
-            )
-        for event in decisions.events:
-            self._page(event)
-        for request in decisions.action_requests:
-            self._run_action(step, request)
-        if self._resume_step is not None:
-            return  # rolled back: these samples and this step no longer describe the run
-        self._run_standing(step)
-        if self._resume_step is not None:
-            return
-        for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
-            event = self.attributor.record_action(result.record, step)
-            if event is not None:
+            for problem in decisions.problems:
+                self.failures.report(f"rule {problem.rule}", problem.error)
+            for t in decisions.transitions:
+                self._write(
+                    "alert",
+                    step,
+                    rule=t.rule,
+                    labels=dict(t.labels),
+                    transition=f"{t.from_state}->{t.to_state}",
+                    value=t.alert.value,
+                    baseline=t.alert.baseline,
+                    onset_step=t.alert.onset_step,
+                )
+            for event in decisions.events:
                 self._page(event)
+            if not act:
+                return
+            self._protect_checkpoints()
+            for admission in decisions.admissions:
+                self._guarded("action", lambda a=admission: self._admit(step, a), None)
+            if self._resume_step is not None:
+                return  # rolled back: these samples no longer describe the run
+            for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
+                self._announce(result, step)
 
-    # ------------------------------------------------------------------ actions and pages
+    def _admit(self, step: int, admission: Admission) -> None:
+        """Run (or record) what pacing decided about one request; ``step`` moves to the
+        restored step after a rollback earlier in the round."""
+        step = self._last_step if self._last_step is not None else step
+        incident, request = self.attributor.open, admission.request
+        if admission.verdict != "run":
+            result = self.actions.held_back(admission, incident, step)
+            if admission.verdict == "escalate":
+                self._announce(result, step)
+                if not admission.dry_run:
+                    self._escalate(step, admission.reason)
+            return
+        result = self.actions.run(
+            request.action,
+            request.params,
+            incident=incident,
+            rule=request.rule,
+            dry_run=admission.dry_run,
+        )
+        self.pacing.ran(admission, ok=result.ok)
+        self._announce(result, step)
+        if result.restored_step is not None:
+            self._after_restore(result.restored_step)
+        if result.escalates:
+            self._escalate(step, f"{request.action} failed: {result.error}")
+
+    def _escalate(self, step: int, reason: str) -> None:
+        """Page and halt: a run that cannot be fixed safely stops instead of looping or
+        loading garbage."""
+        result = self.actions.run(
+            ESCALATION_ACTION,
+            {"reason": f"escalated: {reason}"},
+            incident=self.attributor.open,
+            rule="pacing",
+        )
+        self._announce(result, self._last_step if self._last_step is not None else step)
+
+    def _announce(self, result: ActionResult, step: int) -> None:
+        """Attach an action's record to the open incident; post it in the incident's thread
+        unless the action is not announced (``page``: the incident is paged anyway)."""
+        event = self.attributor.record_action(result.record, step)
+        if event is not None and self.actions.announces(result.record.action):
+            self._page(event)
+
+    def _protect_checkpoints(self) -> None:
+        """Keep retention from deleting a checkpoint that a standing request may restore."""
+        incident = self.attributor.open
+        if self.checkpoints is None or incident is None or incident.onset_step is None:
+            return
+        keep = self.actions.keep_checkpoints_before(self.pacing.standing(), incident)
+        current = self.checkpoints.protect_before_step
+        self.checkpoints.protect_before_step = keep if current is None else min(current, keep)
+
+    def _after_restore(self, restored: int) -> None:
+        """The run continues from ``restored``: drop what was measured on the abandoned path
+        (the runner re-applied the other actions' changes: LR scale, attention precision)."""
+        self.measurements.restart()
+        self.pacing.moved_to(restored)
+        self._resume_step = restored + 1
+        self._last_step = restored  # what later actions in this round see as the current step
+
     def _page(self, event: IncidentEvent) -> None:
-        self.events.write(
+        self._write(
             "incident",
             event.step,
             event=event.kind,
@@ -356,205 +389,37 @@ class Agent:
         cfg = self.config.actions
         return cfg.enabled and (cfg.allow is None or action in cfg.allow)
 
-    def _run_action(self, step: int, request: ActionRequest) -> None:
-        if request.action == "page":
-            return  # every incident event is paged already
-        incident = self.attributor.open
-        self._protect_checkpoints(incident)
-        result = self.actions.run(
-            request.action,
-            request.params,
-            incident=incident,
-            rule=request.rule,
-            dry_run=not self._allowed(request.action),
-        )
-        ran = result.status == "applied" or result.retry_in is not None
-        paced = self.actions.cooldown_of(request.action, request.params) > 0
-        if ran and paced and not result.record.dry_run:
-            self._standing.append(request)  # again after the cooldown, if the rule still fires
-        event = self.attributor.record_action(result.record, step)
-        if event is not None:
-            self._page(event)
-        if result.status == "applied" and request.action == "rollback":
-            self._after_rollback(int(result.outcome.after["step"]))
-        self._escalate_if_needed(step, result)
-
-    def _run_standing(self, step: int) -> None:
-        """Run the standing requests whose cooldown is over, while their rule still fires for
-        the same incident (dropped otherwise), in the order they were asked for."""
-        if not self._standing:
-            return
-        open_id = self.attributor.open.id if self.attributor.open is not None else None
-        firing = {alert.rule for alert in self.engine.firing()}
-        pending, self._standing = self._standing, []
-        for i, request in enumerate(pending):
-            if self._resume_step is not None:  # a rollback just ran: look again next round
-                self._standing.extend(pending[i:])
-                return
-            if request.incident_id != open_id or request.rule not in firing:
-                continue
-            dry = not self._allowed(request.action)
-            if self.actions.ready(request.action, request.params, step, dry_run=dry):
-                self._run_action(step, request)  # stands again if it ran
-            else:
-                self._standing.append(request)
-
-    def _escalate_if_needed(self, step: int, result) -> None:
-        """A rollback that cannot run safely pages and halts instead of loading garbage."""
-        from remediations.checkpoint import CheckpointRestoreError
-        from remediations.rollback import RollbackEscalation
-
-        err = result.error
-        unsafe = isinstance(err, CheckpointRestoreError) and not err.run_unchanged
-        if not (isinstance(err, RollbackEscalation) or unsafe):
-            return
-        halt = self.actions.run(
-            "halt",
-            {"reason": f"{result.record.action} escalated: {err}"},
-            incident=self.attributor.open,
-            rule="escalation",
-        )
-        event = self.attributor.record_action(halt.record, step)
-        if event is not None:
-            self._page(event)
-
-    def _protect_checkpoints(self, incident: Incident | None) -> None:
-        """Keep retention from deleting the checkpoint a rollback for this incident needs."""
-        if self.checkpoints is None or incident is None or incident.onset_step is None:
-            return
-        from remediations.rollback import latest_allowed_step
-
-        margin = max(
-            (
-                int(p.get("margin_steps", 100))
-                for _, a in self._rule_actions()
-                for n, p in a
-                if n == "rollback"
-            ),
-            default=100,
-        )
-        keep = latest_allowed_step(incident.onset_step, margin) + 1
-        current = self.checkpoints.protect_before_step
-        self.checkpoints.protect_before_step = keep if current is None else min(current, keep)
-
-    def _rule_actions(self):
-        return [(r.name, [(a.name, dict(a.params)) for a in r.actions]) for r in self.ruleset]
-
-    def _after_rollback(self, restored: int) -> None:
-        """The run continues from ``restored``: drop what was measured on the abandoned path.
-        The runner re-applied the other actions' changes (LR scale, attention precision)."""
-        self.qk.reset()
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
-        self._loss_buffer.clear()
-        self._grad_buffer.clear()
-        self._resume_step = restored + 1
-        self._last_step = restored  # what later actions in this round see as the current step
-
-    def _action_context(self):
-        from remediations.base import ActionContext
-
+    def _action_context(self) -> ActionContext:
         return ActionContext(
             step=self._last_step if self._last_step is not None else 0,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             checkpoints=self.checkpoints,
-            extras={"agent": self, "router_parameters": self._router_parameters()},
+            hparams=self.hparams,
+            router_parameters=tuple(p for s in self.router_sites for p in s.module.parameters()),
+            attention=self.attention_switch,
         )
-
-    def _router_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for site in self.router_sites for p in site.module.parameters()]
 
     def _audit(self, record: dict[str, Any]) -> None:
         payload = {k: v for k, v in record.items() if k not in ("step", "kind")}
-        self.events.write("action", record.get("step", -1), **payload)
+        self._write("action", record.get("step", -1), **payload)
 
     def _raise_if_halted(self) -> None:
-        halt = self.actions.halt
-        if halt.should_stop:
+        halt = self.actions.action(ESCALATION_ACTION)
+        if halt.should_stop:  # type: ignore[attr-defined]
             self.should_stop = True
-            halt.check()  # raises TrainingHalted in "raise" mode
+            halt.check()  # type: ignore[attr-defined]  # raises TrainingHalted ("raise" mode)
 
     # ------------------------------------------------------------------ watchdog
-    def _build_watchdog(self) -> None:
-        """Rules on ``seconds_since_step`` (the hung-run rule) run on the watchdog thread, in
-        their own store and engine: a hung run has no step boundary to evaluate them at."""
-        rules = tuple(r for r in self.ruleset if r.metric == m.SECONDS_SINCE_STEP)
-        self._watchdog_engine = RuleEngine(
-            dataclasses.replace(self.ruleset, rules=rules), SeriesStore(capacity=64)
-        )
-        self._watchdog_incidents = 0
-        self._watchdog_checks = 0
-        self._watchdog_open: dict[str, IncidentEvent] = {}
-
     def _watchdog(self) -> None:
-        """Scheduler thread: page directly (pages are not actions; nothing touches the model)."""
+        """Monitor thread, on a timer: seconds since the last step into the decision round
+        (the run may hang inside a step, where no round would ever happen)."""
         if self._last_step is None or self._closed:
             return
         idle = time.monotonic() - self._last_step_time
-        step = self._last_step
-        engine = self._watchdog_engine
-        # The series advances by one point per check (the training step stands still while
-        # the run hangs, and the engine feeds each step once).
-        self._watchdog_checks += 1
-        engine.store.append(Sample.make(self._watchdog_checks, m.SECONDS_SINCE_STEP, idle))
-        for t in engine.evaluate(self._watchdog_checks, time.time()):
-            key = f"{t.rule}:{t.labels}"
-            if t.kind == "firing":
-                self._watchdog_incidents += 1
-                evidence = t.alert.to_evidence()
-                incident = Incident(
-                    id=f"{self.context.run_name}-hung-{self._watchdog_incidents}-s{step}",
-                    family="unattributed",
-                    severity=evidence.severity,
-                    confidence=0.5,
-                    opened_step=step,
-                    onset_step=step,
-                    evidence=[evidence],
-                    quiet_families=[],
-                    suggestions=[evidence.suggest] if evidence.suggest else [],
-                )
-                event = IncidentEvent("opened", 1, step, incident, self.context, evidence.summary)
-                self._watchdog_open[key] = event
-            elif t.kind == "resolved" and key in self._watchdog_open:
-                opened = self._watchdog_open.pop(key)
-                incident = opened.incident
-                incident.status, incident.resolved_step = "resolved", step
-                event = IncidentEvent("resolved", 2, step, incident, self.context, "steps resumed")
-            else:
-                continue
-            self._guarded_write("incident", event=event.kind, incident=event.incident.to_dict())
-            if self.dispatcher is not None:
-                self._guarded("page", lambda event=event: self.dispatcher.submit(event), None)
-
-    # ------------------------------------------------------------------ errors
-    def _guarded(self, what: str, fn: Callable[[], Any], default: Any) -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            self._report(what, exc)
-            return default
-
-    def _report(self, what: str, exc: BaseException) -> None:
-        self._report_text(what, f"{type(exc).__name__}: {exc}")
-
-    def _report_text(self, what: str, text: str) -> None:
-        key = f"{what}: {text.splitlines()[0] if text else ''}"
-        if key in self._reported:
-            return
-        self._reported.add(key)
-        warnings.warn(f"mechwatch: {key} (reported once; the agent skips this part)", stacklevel=3)
-        self._guarded_write("error", what=what, error=text)
-
-    def _guarded_write(self, kind: str, **payload: Any) -> None:
-        try:
-            self.events.write(
-                kind, self._last_step if self._last_step is not None else -1, **payload
-            )
-        except Exception:
-            log.exception("mechwatch: cannot write the event log")
+        sample = Sample.make(self._last_step, m.SECONDS_SINCE_STEP, idle)
+        self._guarded("watchdog", lambda: self._round(self._last_step, [sample], act=False), None)
 
     # ------------------------------------------------------------------ user-facing state
     def latest_metrics(self) -> dict[str, float]:
@@ -568,13 +433,11 @@ class Agent:
     @property
     def lr_scale(self) -> float:
         """Multiply your own LR by this in a hand-written loop (1.0 until ``lower_lr`` runs)."""
-        return self.actions.lr_scale
-
-    @property
-    def hparams(self):
-        """Hyper-parameter requests your loop may read (balancing coefficient, accumulation):
-        ``agent.hparams.get("balance_coef", default)``."""
-        return self.actions.hparams
+        try:
+            control = getattr(self.actions.action("lower_lr"), "control", None)
+        except ValueError:  # an injected registry without lower_lr
+            return 1.0
+        return float(control.lr_scale) if control is not None else 1.0
 
     @property
     def incident(self) -> Incident | None:
@@ -586,7 +449,8 @@ class Agent:
             "engine": self.engine.state_dict(),
             "attribution": self.attributor.state_dict(),
             "actions": self.actions.state_dict(),
-            "standing": [dataclasses.asdict(r) for r in self._standing],
+            "pacing": self.pacing.state_dict(),
+            "hparams": self.hparams.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -595,41 +459,25 @@ class Agent:
         self.engine.load_state_dict(state["engine"])
         self.attributor.load_state_dict(state["attribution"])
         self.actions.load_state_dict(state["actions"])
-        self._standing = [ActionRequest(**r) for r in state.get("standing", [])]
+        self.pacing.load_state_dict(state.get("pacing", {}))
+        self.hparams.load_state_dict(
+            state.get("hparams", state["actions"].get("hparams", {}))  # before 0.2: in actions
+        )
         self.actions.reapply_all()
 
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
-        self.router_probe.detach()
-        try:
-            self._scheduler.shutdown(wait=False)
-        except Exception:
-            pass
+        self._guarded("measurements", self.measurements.close, None)
+        self.thread.shutdown()
         if self.checkpoints is not None:
             self._guarded("checkpoint", self.checkpoints.close, None)
         if self.dispatcher is not None:
             self._guarded("page", lambda: self.dispatcher.close(timeout), None)
-        self._guarded_write("stop", evaluations=self._evaluations)
-        self.events.close()
-
-
-def _detached(x: torch.Tensor | float) -> torch.Tensor | float:
-    return x.detach() if isinstance(x, torch.Tensor) else float(x)
-
-
-def _to_floats(values: list[torch.Tensor | float]) -> list[float]:
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    host = iter(torch.stack([t.float().reshape(()) for t in tensors]).cpu().tolist())
-    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
-
-
-def _grad_norm(model: torch.nn.Module) -> torch.Tensor | None:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    norms = torch._foreach_norm(grads)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+        self._write(
+            "stop",
+            self._last_step if self._last_step is not None else -1,
+            evaluations=self._evaluations,
+        )
+        self._guarded("event log", self.events.close, None)

@@ -10,8 +10,9 @@ Which families fire decides the attribution:
 
 An incident opens when the first alert fires, collects evidence as more alerts fire (an
 unattributed incident is upgraded when mechanism evidence arrives; fa_precision or
-router_instability becomes combined when the other family joins), pages again after
-``repeat_every_steps`` while still firing, and resolves when none of its alerts fires.
+router_instability becomes combined when the other family joins), and resolves when none of its
+alerts fires. When it is paged again and which actions run is pacing's business
+(``remediations.pacing``), not attribution's.
 Everything is decided from the arguments (step, alerts): no clock, no randomness, so every rank
 of a distributed run reaches the same incidents.
 
@@ -24,37 +25,12 @@ corroborate; ``combined`` takes the smaller of its two families; ``unattributed`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
 
 MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 _SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
-
-
-@dataclass(frozen=True)
-class FiringAlert:
-    """What attribution needs from one firing alert of the rule engine."""
-
-    evidence: Evidence
-    actions: tuple[tuple[str, dict[str, Any]], ...] = ()  # (action name, params) from the rule
-
-
-@dataclass(frozen=True)
-class ActionRequest:
-    """An action a rule asked for, for an incident; executed by the agent at a step boundary."""
-
-    incident_id: str
-    rule: str
-    action: str
-    params: dict[str, Any]
-
-
-@dataclass
-class AttributionUpdate:
-    events: list[IncidentEvent] = field(default_factory=list)
-    action_requests: list[ActionRequest] = field(default_factory=list)
 
 
 def classify(families: set[str]) -> str:
@@ -101,52 +77,46 @@ class Attributor:
         context: RunContext | None = None,
         *,
         monitored_families: set[str] | None = None,
-        repeat_every_steps: int = 2000,
         history: int = 50,
     ) -> None:
         self.context = context or RunContext()
         self.monitored = set(monitored_families or MECHANISM_FAMILIES)
-        self.repeat_every_steps = repeat_every_steps
         self.history = history
         self.open: Incident | None = None
         self.closed: list[Incident] = []
         self._seq = 0  # per-incident event sequence
-        self._last_page_step = 0
         self._count = 0  # incidents opened so far (part of the deterministic id)
-        self._requested: set[tuple[str, str]] = set()  # (rule, action) already asked for
 
     # ------------------------------------------------------------------ evaluation
-    def update(self, step: int, firing: list[FiringAlert]) -> AttributionUpdate:
-        out = AttributionUpdate()
+    def update(self, step: int, firing: list[Evidence]) -> list[IncidentEvent]:
+        """The incident events of one evaluation, from the evidence of every firing alert."""
         if self.open is None:
-            if firing:
-                self._open(step, firing, out)
-            return out
+            return [self._open(step, firing)] if firing else []
         incident = self.open
         if not firing:
             incident.status = "resolved"
             incident.resolved_step = step
             incident.updated_step = step
-            out.events.append(self._event("resolved", step, "all alerts cleared"))
+            event = self._event("resolved", step, "all alerts cleared")
             self.closed = (self.closed + [incident])[-self.history :]
             self.open = None
-            self._requested = set()
-            return out
-
+            return [event]
         old_family, old_rules = incident.family, {e.rule for e in incident.evidence}
         self._merge(step, firing)
         new_rules = {e.rule for e in incident.evidence} - old_rules
         if incident.family != old_family:
-            msg = f"re-attributed from {old_family} to {incident.family}"
-            out.events.append(self._event("escalated", step, msg))
-        elif new_rules:
-            out.events.append(
-                self._event("updated", step, "new evidence: " + ", ".join(sorted(new_rules)))
-            )
-        elif step - self._last_page_step >= self.repeat_every_steps:
-            out.events.append(self._event("repeat", step, "still firing"))
-        self._request_actions(firing, out)
-        return out
+            return [
+                self._event(
+                    "escalated", step, f"re-attributed from {old_family} to {incident.family}"
+                )
+            ]
+        if new_rules:
+            return [self._event("updated", step, "new evidence: " + ", ".join(sorted(new_rules)))]
+        return []
+
+    def repeat(self, step: int) -> IncidentEvent | None:
+        """A "still firing" event for the open incident (pacing says when)."""
+        return self._event("repeat", step, "still firing") if self.open is not None else None
 
     def record_action(self, record: Any, step: int) -> IncidentEvent | None:
         """Attach an ActionRecord to the open incident and return the thread event for it."""
@@ -157,10 +127,9 @@ class Attributor:
         return self._event("action", step, f"{verb} {record.action}: {record.detail}")
 
     # ------------------------------------------------------------------ internals
-    def _open(self, step: int, firing: list[FiringAlert], out: AttributionUpdate) -> None:
+    def _open(self, step: int, firing: list[Evidence]) -> IncidentEvent:
         self._count += 1
         self._seq = 0
-        self._requested = set()
         self.open = Incident(
             id=f"{self.context.run_name}-{self._count}-s{step}",
             family="unattributed",
@@ -170,15 +139,13 @@ class Attributor:
             onset_step=None,
         )
         self._merge(step, firing)
-        out.events.append(self._event("opened", step, ""))
-        self._request_actions(firing, out)
+        return self._event("opened", step, "")
 
-    def _merge(self, step: int, firing: list[FiringAlert]) -> None:
+    def _merge(self, step: int, firing: list[Evidence]) -> None:
         incident = self.open
         assert incident is not None
         current = {(e.rule, tuple(sorted(e.labels.items()))): e for e in incident.evidence}
-        for alert in firing:
-            e = alert.evidence
+        for e in firing:
             current[(e.rule, tuple(sorted(e.labels.items())))] = e
         incident.evidence = list(current.values())
         # Evidence accumulates while the incident is open, so the family can only be upgraded
@@ -204,23 +171,9 @@ class Attributor:
         incident.suggestions = suggestions
         incident.updated_step = step
 
-    def _request_actions(self, firing: list[FiringAlert], out: AttributionUpdate) -> None:
-        incident = self.open
-        assert incident is not None
-        for alert in firing:
-            for name, params in alert.actions:
-                key = (alert.evidence.rule, name)
-                if key in self._requested:
-                    continue
-                self._requested.add(key)
-                out.action_requests.append(
-                    ActionRequest(incident.id, alert.evidence.rule, name, dict(params))
-                )
-
     def _event(self, kind: str, step: int, message: str) -> IncidentEvent:
         assert self.open is not None
         self._seq += 1
-        self._last_page_step = step if kind != "action" else self._last_page_step
         snapshot = Incident.from_dict(self.open.to_dict())
         return IncidentEvent(kind, self._seq, step, snapshot, self.context, message)
 
@@ -230,15 +183,11 @@ class Attributor:
             "open": self.open.to_dict() if self.open else None,
             "closed": [i.to_dict() for i in self.closed],
             "seq": self._seq,
-            "last_page_step": self._last_page_step,
             "count": self._count,
-            "requested": sorted(list(k) for k in self._requested),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.open = Incident.from_dict(state["open"]) if state.get("open") else None
         self.closed = [Incident.from_dict(i) for i in state.get("closed", [])]
         self._seq = int(state.get("seq", 0))
-        self._last_page_step = int(state.get("last_page_step", 0))
         self._count = int(state.get("count", 0))
-        self._requested = {tuple(k) for k in state.get("requested", [])}  # type: ignore[misc]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.checkpoints import DEFAULT_EVERY, DEFAULT_KEEP_KNOWN_GOOD, DEFAULT_KEEP_LAST
 from agent.discovery import DiscoveryOverrides
 from agent.notify.config import NotifyConfig
 
@@ -21,7 +22,7 @@ class QKMonitorConfig(_Strict):
         25,
         ge=1,
         description="steps between two snapshots of W_q/W_k; the increment spans delta steps "
-        "(25 on the test bed: one evaluation per 25 steps, see docs/agent.md)",
+        "(25 on the test bed: one evaluation per 25 steps, see README 'Why delta = 25')",
     )
     orders: list[int] = Field(
         [2, 3], description="which increments to measure: 1 (Delta_1), 2 (Delta_2), 3 (Delta_3)"
@@ -86,9 +87,13 @@ class ActionsConfig(_Strict):
 class CheckpointConfig(_Strict):
     enabled: bool = Field(False, description="save checkpoints for rollback")
     directory: Path | None = Field(None, description="default: <run_dir>/checkpoints")
-    every: int = Field(250, ge=1, description="steps between checkpoints")
-    keep_last: int = Field(3, ge=1, description="how many recent checkpoints to keep")
-    keep_known_good: int = Field(2, ge=0, description="healthy checkpoints kept in addition")
+    every: int = Field(DEFAULT_EVERY, ge=1, description="steps between checkpoints")
+    keep_last: int = Field(
+        DEFAULT_KEEP_LAST, ge=1, description="how many recent checkpoints to keep"
+    )
+    keep_known_good: int = Field(
+        DEFAULT_KEEP_KNOWN_GOOD, ge=0, description="healthy checkpoints kept in addition"
+    )
 
 
 class AgentConfig(_Strict):

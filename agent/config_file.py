@@ -1,6 +1,6 @@
 """Read ``mechwatch.yaml`` into an AgentConfig; every error names the file, line, column and
 field (the same YAML rules as rule files: duplicate keys are errors, ``1e-4`` is a number, only
-``true``/``false`` are booleans)."""
+``true``/``false`` are booleans, and the same size, depth and alias limits)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from agent.config import AgentConfig
 from agent.rules.errors import RuleFileError, RuleFileErrors
 from agent.rules.loader import pydantic_message
-from agent.rules.yaml_source import YamlSyntaxError, parse_located_yaml
+from agent.rules.yaml_source import YamlSyntaxError, parse_located_yaml, read_yaml_file
 
 
 def load_agent_config(path: str | Path) -> AgentConfig:
@@ -22,12 +22,13 @@ def load_agent_config(path: str | Path) -> AgentConfig:
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        doc = parse_located_yaml(read_yaml_file(path))
     except OSError as e:
         raise RuleFileErrors([RuleFileError(str(path), None, None, f"cannot read: {e}")]) from None
-    try:
-        doc = parse_located_yaml(text)
-    except YamlSyntaxError as e:
+    except UnicodeDecodeError as e:
+        message = f"not UTF-8 text: {e.reason}"
+        raise RuleFileErrors([RuleFileError(str(path), None, None, message)]) from None
+    except YamlSyntaxError as e:  # invalid YAML, or beyond the size, depth and alias limits
         raise RuleFileErrors([RuleFileError(str(path), e.line, e.column, e.message)]) from None
     errors = [
         RuleFileError(

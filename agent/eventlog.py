@@ -1,17 +1,31 @@
 """The run's event log: one JSON object per line (metrics, alerts, incidents, actions, pages).
 
-Each record is ``{"time": <unix seconds>, "kind": ..., "step": ..., **payload}``. Lines are
-flushed as they are written (a killed process loses nothing the OS has seen) and fsync'd on
-``flush()``, ``close()`` and at most every ``fsync_interval_s`` seconds while writing.
-A process killed mid-line leaves a torn last line: readers skip it, and a writer reopening
-the file terminates it first so that the next record starts on a line of its own.
+Each record is ``{"time": <unix seconds>, "kind": ..., "step": ..., **payload}``. Each line
+goes to the OS in one unbuffered write as it is written (a killed process loses nothing the OS
+has seen) and is fsync'd on ``flush()``, ``close()`` and at most every ``fsync_interval_s``
+seconds while writing. A process killed mid-line leaves a torn last line: readers skip it, and
+a writer reopening the file starts its first record on a line of its own.
+
+I/O never raises out of ``write``, ``flush`` or ``close`` (the training loop must survive a
+full disk): a record the disk refuses (ENOSPC, EIO, ...) is dropped whole (a partly written
+line is cut back off), counted in ``dropped`` and ``write`` returns False; the cause is logged
+once. As soon as a write succeeds again (or at ``close``), one record names it in the log
+itself, at the step of the first record dropped, just before the record that succeeded::
+
+    {"time": ..., "kind": "error", "step": 40, "what": "event log", "errno": "ENOSPC",
+     "error": "[Errno 28] No space left on device", "dropped": 12}
 
 Secrets never reach the file: every line goes through ``agent.notify.secrets.scrub``.
+
+The format is public and versioned: docs/events.md lists every kind and field; the ``start``
+record of each agent run carries ``format`` (``EVENT_LOG_FORMAT``). Fields are only ever added
+within a format version; a change that removes or redefines a field raises it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -25,7 +39,9 @@ from agent.notify.secrets import get_logger, scrub
 
 log = get_logger("mechwatch.eventlog")
 
+EVENT_LOG_FORMAT = 1  # the version of the record kinds and fields (docs/events.md)
 RESERVED_FIELDS = ("time", "kind", "step")
+EVENT_LOG_ERROR = "event log"  # the ``what`` of the record that names a write failure
 
 
 def _to_json(value: Any) -> Any:
@@ -42,6 +58,11 @@ def _to_json(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serializable")
 
 
+def errno_name(exc: OSError) -> str:
+    """``ENOSPC`` for an OSError with errno 28; ``OSError`` when it carries no errno."""
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
 class EventLog:
     """Thread-safe append-only JSONL writer for one run's events."""
 
@@ -54,30 +75,34 @@ class EventLog:
         self.fsync_interval_s = float(fsync_interval_s)
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+b")  # noqa: SIM115 - lives as long as the log
-        self._terminate_torn_line()
+        # Unbuffered: a record is in the file or it is not; nothing waits in a buffer for close.
+        self._file = open(self.path, "a+b", buffering=0)  # noqa: SIM115 - lives as long as the log
+        self._fd = self._file.fileno()
+        self._needs_newline = self._ends_mid_line()  # a torn line to terminate first
         self._last_fsync = time.monotonic()
-        self._write_failed = False
+        self._failure: OSError | None = None  # the first error of the current failing period
+        self._failure_step = -1
+        self._dropped_in_failure = 0
+        self._sync_failed = False
         self.written = 0  # records written by this instance
         self.dropped = 0  # records lost to I/O errors (disk full, ...)
 
-    def _terminate_torn_line(self) -> None:
+    def _ends_mid_line(self) -> bool:
         end = self._file.seek(0, os.SEEK_END)
         if end == 0:
-            return
+            return False
         self._file.seek(end - 1)
-        if self._file.read(1) != b"\n":
-            self._file.write(b"\n")
-            self._file.flush()
+        return self._file.read(1) != b"\n"
 
     @property
     def closed(self) -> bool:
         return self._file.closed
 
     def write(self, kind: str, step: int, **payload: Any) -> bool:
-        """Append one record. Returns False (and logs once) when the disk refuses it.
+        """Append one record. Returns False when the disk refuses it (see the module docstring).
 
-        Raises ``ValueError`` for a payload that uses a reserved field or cannot be encoded.
+        Raises ``ValueError`` for a payload that uses a reserved field or cannot be encoded,
+        and for a closed log; never for I/O.
         """
         if not isinstance(kind, str) or not kind:
             raise ValueError(f"event kind must be a non-empty string, got {kind!r}")
@@ -89,49 +114,35 @@ class EventLog:
             line = json.dumps(record, default=_to_json, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"event {kind!r} at step {step}: payload is not JSON: {exc}") from exc
-        data = (scrub(line) + "\n").encode("utf-8")
         with self._lock:
             if self._file.closed:
                 raise ValueError(f"event log {self.path} is closed")
-            try:
-                self._file.write(data)
-                self._file.flush()
-                now = time.monotonic()
-                if now - self._last_fsync >= self.fsync_interval_s:
-                    os.fsync(self._file.fileno())
-                    self._last_fsync = now
-            except OSError as exc:
+            if not self._append(self._failure_line() + line, int(step)):
                 self.dropped += 1
-                if not self._write_failed:
-                    log.error(
-                        "event log %s: write failed (%s); records are being dropped", self.path, exc
-                    )
-                    self._write_failed = True
+                self._dropped_in_failure += 1
                 return False
             self.written += 1
-            if self._write_failed:
-                log.warning("event log %s: writes work again (%d dropped)", self.path, self.dropped)
-                self._write_failed = False
+            self._maybe_fsync()
         return True
 
     def flush(self) -> None:
-        """Flush and fsync everything written so far."""
+        """fsync everything written so far (records reach the OS as they are written)."""
+        with self._lock:
+            if not self._file.closed:
+                self._sync()
+
+    def close(self) -> None:
+        """Name a pending write failure if the disk takes it now, fsync and close."""
         with self._lock:
             if self._file.closed:
                 return
+            if self._failure is not None:
+                self._append(self._failure_line(), self._failure_step)
+            self._sync()
             try:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-            except OSError as exc:
-                log.error("event log %s: fsync failed: %s", self.path, exc)
-                return
-            self._last_fsync = time.monotonic()
-
-    def close(self) -> None:
-        self.flush()
-        with self._lock:
-            if not self._file.closed:
                 self._file.close()
+            except OSError as exc:  # the descriptor is released even when close reports EIO
+                log.error("event log %s: close failed: %s", self.path, exc)
 
     def __enter__(self) -> EventLog:
         return self
@@ -140,7 +151,77 @@ class EventLog:
         self.close()
 
     def __repr__(self) -> str:
-        return f"EventLog({str(self.path)!r}, written={self.written})"
+        return f"EventLog({str(self.path)!r}, written={self.written}, dropped={self.dropped})"
+
+    # ------------------------------------------------------------------ I/O, under the lock
+    def _failure_line(self) -> str:
+        """The record naming the current write failure (at the step of the first record it
+        dropped) and a newline, or '' when there is none."""
+        if self._failure is None:
+            return ""
+        record = {
+            "time": time.time(),
+            "kind": "error",
+            "step": self._failure_step,
+            "what": EVENT_LOG_ERROR,
+            "errno": errno_name(self._failure),
+            "error": str(self._failure),
+            "dropped": self._dropped_in_failure,
+        }
+        return json.dumps(record) + "\n"
+
+    def _append(self, lines: str, step: int) -> bool:
+        """Write ``lines`` (one or two records) whole, or nothing. A failure at ``step`` starts
+        a failing period (unless one is on); a success ends it."""
+        data = ("\n" if self._needs_newline else "") + scrub(lines) + "\n"
+        view = memoryview(data.encode("utf-8"))
+        done = 0
+        try:
+            while done < len(view):
+                n = os.write(self._fd, view[done:])
+                if n == 0:  # no progress and no error: treat it as the disk refusing
+                    raise OSError(errno.EIO, "write made no progress")
+                done += n
+        except OSError as exc:
+            self._cut_back(done)
+            if self._failure is None:
+                self._failure, self._failure_step = exc, step
+                log.error("event log %s: write failed (%s); dropping records", self.path, exc)
+            return False
+        self._needs_newline = False
+        if self._failure is not None:
+            log.warning(
+                "event log %s: writes work again (%d records dropped)",
+                self.path,
+                self._dropped_in_failure,
+            )
+            self._failure, self._dropped_in_failure = None, 0
+        return True
+
+    def _cut_back(self, done: int) -> None:
+        """Remove the ``done`` bytes of a partly written line (or end it at the next write)."""
+        if done == 0:
+            return
+        try:
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - done)
+        except OSError:
+            self._needs_newline = True
+
+    def _maybe_fsync(self) -> None:
+        if time.monotonic() - self._last_fsync >= self.fsync_interval_s:
+            self._sync()
+
+    def _sync(self) -> None:
+        """fsync; a failure is logged once (until a sync works again), never raised."""
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL and not self._sync_failed:  # EINVAL: cannot be synced
+                log.error("event log %s: fsync failed: %s", self.path, exc)
+                self._sync_failed = True
+        else:
+            self._sync_failed = False
+        self._last_fsync = time.monotonic()
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

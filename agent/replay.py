@@ -5,6 +5,8 @@ The agent writes every evaluation's samples to its event log (``metrics`` record
 decision round, in order). Feeding them again through ``agent.decisions.decide`` reproduces
 the live decisions exactly for any rule set (the measurements do not depend on the rules,
 unless actions changed the run): the way to tune a rule on yesterday's run before shipping it.
+Replay runs no actions; incidents are paged again as by an agent with the default ``notify``
+settings.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from agent.attribution import MECHANISM_FAMILIES, Attributor
 from agent.decisions import decide
 from agent.eventlog import read_events
 from agent.incidents import RunContext
+from agent.notify.config import NotifyConfig
 from agent.rules.engine import RuleEngine
 from agent.rules.loader import default_rule_files, load_rule_files
 from agent.samples import Sample
 from agent.store import SeriesStore
+from remediations.pacing import Pacing, PacingLimits
 
 
 @dataclass
@@ -34,17 +38,17 @@ class ReplayResult:
 
     def first_firing(self) -> dict[str, int]:
         """family -> step of the first evaluation at which a rule of that family fired."""
-        out: dict[str, int] = {}
-        for a in self.alerts:
-            if a["to"] == "firing":
-                out.setdefault(a["family"], a["step"])
-        return out
+        return self._first_firing("family")
 
     def first_firing_by_rule(self) -> dict[str, int]:
+        """rule -> step of the first evaluation at which it fired."""
+        return self._first_firing("rule")
+
+    def _first_firing(self, key: str) -> dict[str, int]:
         out: dict[str, int] = {}
         for a in self.alerts:
             if a["to"] == "firing":
-                out.setdefault(a["rule"], a["step"])
+                out.setdefault(a[key], a["step"])
         return out
 
     def attribution(self, at_step: int | None = None) -> str | None:
@@ -87,6 +91,12 @@ def replay(
     attributor = Attributor(
         RunContext(run_name=start.get("run", "replay")), monitored_families=monitored
     )
+    notify = NotifyConfig()  # the repeat page of an agent with the default settings
+    pacing = Pacing(
+        lambda request: (PacingLimits(), False),  # never asked: replay admits no actions
+        repeat_every_steps=notify.repeat_every_steps,
+        repeat_every_s=notify.repeat_every_s,
+    )
     result = ReplayResult()
     for e in events:
         if e["kind"] != "metrics":
@@ -94,7 +104,8 @@ def replay(
         samples = [
             Sample.make(s, metric, value, **labels) for s, metric, labels, value in e["samples"]
         ]
-        decisions = decide(engine, attributor, e["step"], samples, float(e.get("time", 0.0)))
+        now = float(e.get("time", 0.0))
+        decisions = decide(engine, attributor, pacing, e["step"], samples, now, act=False)
         result.evaluations += 1
         for t in decisions.transitions:
             if t.kind in ("firing", "resolved"):

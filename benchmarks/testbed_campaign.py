@@ -22,7 +22,7 @@ from typing import Any
 from agent import samples as names
 from agent.testbed.bands import earliest_departure
 from agent.testbed.divergence import degradation_step, divergence_step, ema
-from agent.testbed.records import read_metrics
+from agent.testbed.metrics_file import read_metrics
 from agent.testbed.scenarios import SCENARIOS
 
 Arm = tuple[str, str, dict[str, Any]]  # (arm name, scenario, overrides)

@@ -19,7 +19,7 @@ _EXPORTS = {
     "install_hf_attention": "remediations.hf_attention",
     "LRControl": "remediations.lr",
     "TrainingHalted": "remediations.halt",
-    "HyperparameterRequests": "remediations.requests",
+    "HyperparameterRequests": "remediations.hparams",
     "ACTIONS": "remediations.registry",
     "register_action": "remediations.registry",
     "register_callable": "remediations.registry",

@@ -527,7 +527,10 @@ class AttentionFP32Backward(Action):
 
     Takes effect for attention that runs through ``scaled_dot_product_attention`` of this
     module (directly, or via ``install_hf_attention``) and for kernels driven by a listener of
-    the switch. What it switched on is kept in its state and re-imposed by ``reapply``.
+    the switch. The switch is the run's (``ActionContext.attention``, what ``Agent(...,
+    attention_switch=...)`` was given), else the one this action was built with (the
+    process-wide ``attention_precision``). What it switched on is kept in its state and
+    re-imposed by ``reapply``.
     """
 
     name = "attention_fp32_backward"
@@ -538,14 +541,18 @@ class AttentionFP32Backward(Action):
         self.enabled_all = False  # what this action switched on, re-imposed by reapply
         self.enabled_layers: set[str] = set()
 
+    def _switch(self, ctx: ActionContext) -> AttentionPrecisionSwitch:
+        return ctx.attention if ctx.attention is not None else self.switch
+
     def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
         assert isinstance(params, AttentionFP32BackwardParams)
+        switch = self._switch(ctx)
         layers = None if params.layers is None else _as_names(params.layers)
-        before = self.switch.state_dict()
+        before = switch.state_dict()
         where = "every layer" if layers is None else f"layers {sorted(layers)}"
-        consulted = self.switch.consulted_layers
+        consulted = switch.consulted_layers
         detail = f"attention backward in fp32 for {where}"
-        if not consulted and not self.switch.listener_count:
+        if not consulted and not switch.listener_count:
             detail += (
                 " (warning: no attention call has consulted the switch yet; route attention "
                 "through remediations.attention.scaled_dot_product_attention or "
@@ -556,20 +563,21 @@ class AttentionFP32Backward(Action):
             preview.load_state_dict(before)
             preview.enable_fp32_backward(layers)
             return ActionOutcome(detail, {"precision": before}, {"precision": preview.state_dict()})
-        self.switch.enable_fp32_backward(layers)  # restores itself if a listener fails
+        switch.enable_fp32_backward(layers)  # restores itself if a listener fails
         if layers is None:
             self.enabled_all = True
         else:
             self.enabled_layers |= layers
-        return ActionOutcome(detail, {"precision": before}, {"precision": self.switch.state_dict()})
+        return ActionOutcome(detail, {"precision": before}, {"precision": switch.state_dict()})
 
     def reapply(self, ctx: ActionContext) -> None:
-        state = self.switch.state_dict()
+        switch = self._switch(ctx)
+        state = switch.state_dict()
         if self.enabled_all and not state["all"]:
-            self.switch.enable_fp32_backward()
+            switch.enable_fp32_backward()
         missing = self.enabled_layers - set(state["included"])
         if missing:
-            self.switch.enable_fp32_backward(missing)
+            switch.enable_fp32_backward(missing)
 
     def state_dict(self) -> dict[str, Any]:
         return {"all": self.enabled_all, "layers": sorted(self.enabled_layers)}

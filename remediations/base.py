@@ -12,17 +12,21 @@ overshot), from the samples of each evaluation.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
+
+from remediations.hparams import HyperparameterRequests
 
 if TYPE_CHECKING:
     import torch
 
+    from agent.checkpoints import CheckpointStore
     from agent.incidents import Incident
     from agent.samples import Sample
+    from remediations.attention import AttentionPrecisionSwitch
 
 
 class ActionParams(BaseModel):
@@ -38,12 +42,21 @@ class ActionContext:
     step: int
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    scheduler: Any | None = None  # a torch LR scheduler, or None for hand-written loops
+    scheduler: LRSchedulerLike | None = None  # a torch LR scheduler; None for hand-written loops
     incident: Incident | None = None
-    checkpoints: Any | None = None  # remediations.checkpoint.CheckpointManager, if enabled
+    checkpoints: CheckpointStore | None = None  # None: checkpoints are not enabled
     dry_run: bool = False
-    # Free-form extras an integration passes (for example the agent itself).
-    extras: dict[str, Any] = field(default_factory=dict)
+    hparams: HyperparameterRequests = field(default_factory=HyperparameterRequests)
+    router_parameters: Sequence[torch.nn.Parameter] = ()  # the MoE routers' parameters
+    attention: AttentionPrecisionSwitch | None = None  # the run's; None: the process-wide one
+
+
+class LRSchedulerLike(Protocol):
+    """What actions need of a learning-rate scheduler (any ``torch.optim.lr_scheduler``)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -56,10 +69,21 @@ class ActionOutcome:
 
 
 class Action(ABC):
-    """One remediation. Subclasses set ``name`` and ``Params`` and implement ``apply``."""
+    """One remediation. Subclasses set ``name`` and ``Params`` and implement ``apply``.
+
+    Traits the agent reads instead of action names: ``pacing`` (defaults of the pacing keys,
+    ``remediations.pacing``), ``repeats`` (runs again each cooldown while its rule keeps
+    firing), ``restores_run`` (the run continues from ``ActionOutcome.after["step"]``: the
+    agent restarts its measurements and the runner re-applies the other actions' changes) and
+    ``announce`` (a run is posted in the incident's thread; False: the audit log only).
+    """
 
     name: ClassVar[str]
     Params: ClassVar[type[ActionParams]] = ActionParams
+    pacing: ClassVar[Mapping[str, Any]] = {}
+    repeats: ClassVar[bool] = True
+    restores_run: ClassVar[bool] = False
+    announce: ClassVar[bool] = True
 
     @abstractmethod
     def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
@@ -67,6 +91,11 @@ class Action(ABC):
 
     def reapply(self, ctx: ActionContext) -> None:  # noqa: B027 - optional hook
         """Re-impose what this action changed (after a restart or a rollback)."""
+
+    def keep_checkpoints_before(self, params: ActionParams, incident: Incident) -> int | None:
+        """A step whose checkpoints retention must keep while ``incident`` may still ask for
+        this action (a rollback's target); None: none."""
+        return None
 
     @property
     def watching(self) -> bool:

@@ -16,6 +16,7 @@ request is recorded, so a run resumed from that checkpoint does not halt again a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
@@ -50,7 +51,8 @@ class HaltAction(Action):
 
     name = "halt"
     Params = HaltParams
-    runner_defaults: ClassVar[dict[str, Any]] = {"cooldown": 0}
+    pacing: ClassVar[Mapping[str, Any]] = {"cooldown": 0}
+    repeats: ClassVar[bool] = False
     flush_timeout_s: float = 600.0  # longest wait for the final checkpoint to be written
 
     def __init__(self) -> None:

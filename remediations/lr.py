@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from agent.samples import Sample
 
 SCHEDULED_LR_KEY = "mechwatch_scheduled_lr"  # param-group key: the LR the schedule set
-ROUTER_PARAMETERS_EXTRA = "router_parameters"  # ActionContext.extras key: router Parameters
 
 LR = float | torch.Tensor
 
@@ -329,8 +328,8 @@ def select_groups(
     if groups == "router":
         if not router_parameters:
             raise ValueError(
-                "groups: 'router' needs the router parameters (ActionContext.extras"
-                f"[{ROUTER_PARAMETERS_EXTRA!r}]); none were given"
+                "groups: 'router' needs the router parameters (ActionContext."
+                "router_parameters); none were given"
             )
         router_ids = {id(p) for p in router_parameters}
         chosen = [
@@ -372,7 +371,7 @@ class LowerLR(Action):
         optimizer = ctx.optimizer
         if optimizer is None:
             raise ValueError("lower_lr needs the optimizer (ActionContext.optimizer is None)")
-        chosen = select_groups(optimizer, params.groups, ctx.extras.get(ROUTER_PARAMETERS_EXTRA))
+        chosen = select_groups(optimizer, params.groups, ctx.router_parameters)
         scales, floors = self.control.plan(optimizer, chosen, params.factor, params.min_lr)
         before = _lr_record(
             optimizer, [self.control.scale_for(i) for i in range(len(optimizer.param_groups))]

@@ -8,6 +8,7 @@ action and shows up in the audit trail.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
@@ -29,8 +30,11 @@ class PageAction(Action):
 
     name = "page"
     Params = PageParams
-    # Pages are deduplicated by the notifiers; the runner need not rate-limit them.
-    runner_defaults: ClassVar[dict[str, Any]] = {"cooldown": 0, "max_per_window": 1_000_000}
+    # The incident's events are paged anyway: a page request runs once per firing episode,
+    # unpaced, and is recorded in the audit log, not posted again in the incident's thread.
+    pacing: ClassVar[Mapping[str, Any]] = {"cooldown": 0, "max_per_window": 1_000_000}
+    repeats: ClassVar[bool] = False
+    announce: ClassVar[bool] = False
 
     def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
         assert isinstance(params, PageParams)

@@ -16,75 +16,29 @@ the agent does not own, so the agent *requests* a new value and the loop reads i
 - ``raise_grad_accum``: multiply ``grad_accum_steps`` by ``factor`` (default 2), rounded up to
   an integer, capped by ``max`` (default 64).
 
-The values are part of the runner's state (saved with the agent), so they survive restarts and
-rollbacks. The runner passes the store to the actions as ``ActionContext.extras["hparams"]``.
+The values live in the run's ``HyperparameterRequests`` (``remediations.hparams``), which the
+agent saves with its state, so they survive restarts and rollbacks; actions reach it as
+``ActionContext.hparams``.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
+from remediations.hparams import HPARAM_NAME
 
-HPARAMS_EXTRA = "hparams"  # ActionContext.extras key of the HyperparameterRequests store
 BALANCE_COEF = "balance_loss_coef"
 GRAD_ACCUM = "grad_accum_steps"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-
-
-class HyperparameterRequests:
-    """Named values the agent requests and the training loop reads each step."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, float] = {}  # requested values
-        self._defaults: dict[str, float] = {}  # what the loop passed to get() last
-
-    def get(self, name: str, default: float) -> float:
-        """The requested value of ``name``, else ``default``. Cheap: two dict operations."""
-        self._defaults[name] = default
-        return self._values.get(name, default)
-
-    def current(self, name: str) -> float | None:
-        """The requested value, else the loop's last default, else None."""
-        return self._values.get(name, self._defaults.get(name))
-
-    def requested(self) -> dict[str, float]:
-        return dict(self._values)
-
-    def set(self, name: str, value: float) -> None:
-        if not _NAME.match(name):
-            raise ValueError(f"hyper-parameter name {name!r} is not an identifier")
-        if not math.isfinite(value):
-            raise ValueError(f"hyper-parameter {name}: value must be finite, got {value}")
-        self._values[name] = value
-
-    def clear(self, name: str | None = None) -> None:
-        """Drop one request (or all): the loop's defaults apply again."""
-        if name is None:
-            self._values.clear()
-        else:
-            self._values.pop(name, None)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"values": dict(self._values)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        values = state.get("values", {})
-        if not isinstance(values, dict) or not all(
-            isinstance(k, str) and isinstance(v, int | float) for k, v in values.items()
-        ):
-            raise ValueError(f"hyper-parameter requests state: bad values {values!r}")
-        self._values = {k: v for k, v in values.items()}
 
 
 class RequestHparamParams(ActionParams):
     model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
 
-    name: str = Field(pattern=_NAME.pattern, description="the name the loop reads")
+    name: str = Field(pattern=HPARAM_NAME.pattern, description="the name the loop reads")
     op: Literal["multiply", "set"] = Field("multiply", description="multiply or set the value")
     value: float = Field(description="the factor (multiply) or the new value (set)")
     max: float | None = Field(None, description="cap: never request more than this")
@@ -136,12 +90,7 @@ class RequestHparam(Action):
 
     def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
         p = self._params(params)
-        store = ctx.extras.get(HPARAMS_EXTRA)
-        if not isinstance(store, HyperparameterRequests):
-            raise ValueError(
-                f"{self.name} needs the hyper-parameter store in ActionContext.extras"
-                f"[{HPARAMS_EXTRA!r}] (the ActionRunner provides it)"
-            )
+        store = ctx.hparams
         current = store.current(p.name)
         value = _new_value(current, p)
         capped = p.max is not None and value == p.max
@@ -163,7 +112,9 @@ class RaiseBalanceCoefParams(ActionParams):
     min: float = Field(
         0.0, ge=0.0, description="request at least this (a coefficient of 0 times a factor is 0)"
     )
-    name: str = Field(BALANCE_COEF, pattern=_NAME.pattern, description="the name the loop reads")
+    name: str = Field(
+        BALANCE_COEF, pattern=HPARAM_NAME.pattern, description="the name the loop reads"
+    )
 
 
 class RaiseBalanceCoef(RequestHparam):
@@ -184,7 +135,9 @@ class RaiseGradAccumParams(ActionParams):
 
     factor: float = Field(2.0, gt=1.0, description="multiply the gradient accumulation steps")
     max: int = Field(64, ge=1, description="cap")
-    name: str = Field(GRAD_ACCUM, pattern=_NAME.pattern, description="the name the loop reads")
+    name: str = Field(
+        GRAD_ACCUM, pattern=HPARAM_NAME.pattern, description="the name the loop reads"
+    )
 
 
 class RaiseGradAccum(RequestHparam):

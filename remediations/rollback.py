@@ -10,37 +10,32 @@ abandoned future, and reports the restored step; the agent re-applies its remedi
 (LR scale, attention precision) through the other actions' ``reapply``, and the training loop
 continues from ``outcome.after["step"]``.
 
-Escalation instead of garbage or loops: no usable checkpoint raises ``NoUsableCheckpoint``,
-more than ``max_per_window`` rollbacks within ``window_steps`` training steps raise
-``RollbackLimitExceeded``; on either the agent pages and halts the run. The loop guard counts
-training steps actually run (a rollback does not rewind its clock), and its history lives in
-this action's ``state_dict``: the agent must keep it across the rollback (not overwrite it
-with the restored agent state), or a loop could never be detected.
+Escalation instead of garbage or loops: no usable checkpoint raises ``NoUsableCheckpoint``
+(an error that escalates: the agent pages and halts the run). The loop guard is pacing's cap on
+this action (``pacing`` below: more than 2 rollbacks within 5000 training steps escalate;
+``remediations.pacing``), counted in steps actually run, never rewound by a rollback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
+from agent.checkpoints import KEY_AGENT, KEY_DATA, CheckpointStore
 from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
-from remediations.checkpoint import KEY_AGENT, KEY_DATA, CheckpointStore
 
-_MAX_HISTORY = 64  # rollbacks remembered for the loop guard
-
-
-class RollbackEscalation(RuntimeError):
-    """A rollback the agent must not attempt: page and halt instead."""
+if TYPE_CHECKING:
+    from agent.incidents import Incident
 
 
-class NoUsableCheckpoint(RollbackEscalation):
-    """No verified, known-good checkpoint old enough to predate the fault."""
+class NoUsableCheckpoint(RuntimeError):
+    """No verified, known-good checkpoint old enough to predate the fault: page and halt
+    instead of rolling back (``escalate``: pacing's escalation on failure)."""
 
-
-class RollbackLimitExceeded(RollbackEscalation):
-    """Too many rollbacks within the loop-guard window."""
+    escalate = True
 
 
 class RollbackParams(ActionParams):
@@ -49,12 +44,6 @@ class RollbackParams(ActionParams):
     )
     skip_batches: int = Field(
         0, ge=0, description="batches to skip after the restored data position"
-    )
-    max_per_window: int = Field(
-        2, ge=1, description="rollbacks allowed within window_steps before escalating"
-    )
-    window_steps: int = Field(
-        5000, ge=1, description="loop-guard window, in training steps actually run"
     )
     require_known_good: bool = Field(
         True, description="only restore checkpoints whose save-time health was healthy"
@@ -89,12 +78,21 @@ class RollbackAction(Action):
     name: ClassVar[str] = "rollback"
     Params: ClassVar[type[ActionParams]] = RollbackParams
 
+    # The loop guard: a third rollback within 5000 training steps pages and halts.
+    pacing: ClassVar[Mapping[str, Any]] = {
+        "max_per_window": 2,
+        "window_steps": 5000,
+        "on_limit": "escalate",
+    }
+    restores_run: ClassVar[bool] = True
+
     def __init__(self) -> None:
         self.last_restore: RestoredCheckpoint | None = None
-        # Loop-guard clock: training steps run since the first apply, never rewound.
-        self._clock: int | None = None
-        self._clock_step: int | None = None  # the run's step when the clock was last read
-        self._history: list[dict[str, int]] = []  # {"clock", "from_step", "to_step"}
+
+    def keep_checkpoints_before(self, params: ActionParams, incident: Incident) -> int | None:
+        if incident.onset_step is None:
+            return None
+        return latest_allowed_step(incident.onset_step, self._as_params(params).margin_steps) + 1
 
     def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
         p = self._as_params(params)
@@ -113,17 +111,7 @@ class RollbackAction(Action):
             else ctx.step
         )
         latest = latest_allowed_step(onset, p.margin_steps)
-        now = self._clock_at(ctx.step)
-        recent = self.rollbacks_within(now, p.window_steps)
-        before = {"step": ctx.step, "onset_step": onset, "rollbacks_in_window": recent}
-        if recent >= p.max_per_window:
-            message = (
-                f"{recent} rollbacks in the last {p.window_steps} training steps (limit "
-                f"{p.max_per_window}): escalating instead of rolling back again"
-            )
-            if ctx.dry_run:
-                return ActionOutcome(f"would escalate: {message}", before, {"escalate": True})
-            raise RollbackLimitExceeded(message)
+        before = {"step": ctx.step, "onset_step": onset}
 
         manager.flush()  # a write in flight may be the checkpoint we need (or must discard)
         skipped: list[str] = []
@@ -157,9 +145,6 @@ class RollbackAction(Action):
         )
         assert restored_step == info.step, (restored_step, info.step)
         # Committed: from here on the run is at restored_step.
-        self._history.append({"clock": now, "from_step": ctx.step, "to_step": restored_step})
-        del self._history[:-_MAX_HISTORY]
-        self._clock, self._clock_step = now, restored_step
         discarded: list[int] = []
         if p.discard_newer:
             try:
@@ -192,32 +177,6 @@ class RollbackAction(Action):
             "discarded_steps": discarded,
         }
         return ActionOutcome(detail, before, after)
-
-    def rollbacks_within(self, clock: int, window_steps: int) -> int:
-        """How many rollbacks happened within the last ``window_steps`` training steps."""
-        return sum(1 for h in self._history if h["clock"] > clock - window_steps)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "clock": self._clock,
-            "clock_step": self._clock_step,
-            "history": [dict(h) for h in self._history],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._clock = state.get("clock")
-        self._clock_step = state.get("clock_step")
-        history = state.get("history", [])[-_MAX_HISTORY:]
-        self._history = [{k: int(v) for k, v in h.items()} for h in history]
-
-    def _clock_at(self, step: int) -> int:
-        """Advance the loop-guard clock by the steps run since it was last read."""
-        if self._clock is None or self._clock_step is None:
-            self._clock = step
-        else:
-            self._clock += max(0, step - self._clock_step)
-        self._clock_step = step
-        return self._clock
 
     @staticmethod
     def _as_params(params: ActionParams) -> RollbackParams:

@@ -74,7 +74,7 @@ def test_agent_failure_never_reaches_the_training_loop(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("monitor exploded")
 
-    monkeypatch.setattr("agent.agent.compute_qk_samples", broken)
+    monkeypatch.setattr("agent.measurements.compute_qk_samples", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(30):
@@ -278,12 +278,12 @@ def test_a_rules_actions_run_again_each_cooldown_while_it_keeps_firing(tmp_path)
     for step in range(80):
         run.step()
         agent.step(step, loss=10.0 if 10 <= step < 15 or step >= 20 else 1.0)
-    state = agent.state_dict()
+    standing = agent.pacing.standing()
     agent.close()
     actions = _action_steps(tmp_path)
     assert actions == [(10, "applied"), (20, "skipped"), (40, "applied"), (70, "applied")]
     assert agent.lr_scale == pytest.approx(0.125)
-    assert [r["action"] for r in state["standing"]] == ["lower_lr"]  # the rule still fires
+    assert [r.action for r in standing] == ["lower_lr"]  # the rule still fires
 
 
 def test_a_standing_request_is_dropped_when_the_rule_stops_firing(tmp_path):
@@ -291,8 +291,8 @@ def test_a_standing_request_is_dropped_when_the_rule_stops_firing(tmp_path):
     for step in range(25):
         run.step()
         agent.step(step, loss=10.0 if 10 <= step < 15 or 20 <= step < 25 else 1.0)
-    resumed_state = json.loads(json.dumps(agent.state_dict()))
-    assert [r["action"] for r in resumed_state["standing"]] == ["lower_lr"]
+    state = json.loads(json.dumps(agent.state_dict()))
+    assert [e["request"]["action"] for e in state["pacing"]["episodes"]] == ["lower_lr"]
     for step in range(25, 60):  # the fault is gone before the cooldown ends
         run.step()
         agent.step(step, loss=1.0)

@@ -21,12 +21,12 @@ import pytest
 import torch
 from state_compare import assert_bitwise_equal, snapshot, tensors_of
 
-from remediations import checkpoint as ckpt_mod
-from remediations.checkpoint import (
+from agent.checkpoints import (
     CheckpointCorrupt,
     CheckpointManager,
     CheckpointRestoreError,
 )
+from agent.checkpoints import writer as ckpt_mod
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEALTHY = {"healthy": True, "firing": []}
@@ -241,7 +241,7 @@ def test_crash_between_tmp_write_and_rename_keeps_previous_checkpoint(tmp_path: 
         f"""
         import os, sys, torch
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        from remediations.checkpoint import CheckpointManager
+        from agent.checkpoints import CheckpointManager
         model = torch.nn.Linear(4, 4)
         m = CheckpointManager({str(tmp_path)!r}, model=model, every_n_steps=5)
         m.save(5, health={{"healthy": True}}); m.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,9 @@ from agent.eventlog import EventLog, read_events
 from agent.notify.config import DEFAULT_BASE_URL, NotifyConfig, SlackConfig, resolve_slack
 from agent.notify.console import ConsoleNotifier
 from agent.notify.dispatcher import PageDispatcher
+from agent.notify.example_page import example_incident_events
 from agent.notify.factory import build_dispatcher, build_notifiers
 from agent.notify.jsonl import JsonlNotifier
-from agent.notify.sample import sample_incident_events
 from agent.notify.slack import SlackNotifier
 from agent.notify.slack_test import cli_slack_test
 
@@ -38,12 +38,6 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         "MECHWATCH_SLACK_BASE_URL",
     ):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeSlack]:
-    with FakeSlack() as server:
-        yield server
 
 
 # ---------------------------------------------------------------------------- config
@@ -175,7 +169,7 @@ def test_factory_slack_when_configured(fake: FakeSlack, tmp_path: Path) -> None:
     config = NotifyConfig.model_validate({"delivery": {"retry_initial_s": 0.05}})
     pages = build_dispatcher(config, tmp_path, env=env)
     assert isinstance(pages, PageDispatcher)
-    for event in sample_incident_events():
+    for event in example_incident_events():
         pages.submit(event)
     assert pages.close(5)
     assert len(fake.posts()) == 3
@@ -238,7 +232,14 @@ def test_slack_test_ok(
                 "hint: nothing accepts connections at http://127.0.0.1:",
             ],
         ),
-        ("rate_limited_twice", ["FAILED: posting the test page: ratelimited"]),
+        (
+            "rate_limited_for_an_hour",
+            [
+                "FAILED: posting the test page: ratelimited",
+                "Slack asked to wait 3600 s (Retry-After); try again after ",
+                "hint: Slack is rate-limiting this app",
+            ],
+        ),
     ],
 )
 def test_slack_test_says_what_is_wrong(
@@ -257,12 +258,42 @@ def test_slack_test_says_what_is_wrong(
         fake.down()
     else:
         _cli_env(monkeypatch, fake)
-        fake.script("chat.postMessage", Reply.ratelimited(1))
+        fake.script("chat.postMessage", Reply.ratelimited(3600))
+    started = time.monotonic()
     assert cli_slack_test([]) == 1
+    assert time.monotonic() - started < 2  # an hour's Retry-After is reported, not slept
     err = capsys.readouterr().err
     for line in expected:
         assert line in err, err
     assert len(fake.requests) <= 2  # one try each, no retry loop in an interactive check
+
+
+def test_slack_test_waits_out_a_short_rate_limit(
+    fake: FakeSlack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cli_env(monkeypatch, fake)
+    fake.script("chat.postMessage", Reply.ratelimited(1))
+    assert cli_slack_test([]) == 0
+    out = capsys.readouterr().out
+    assert "waiting 1 s as Slack asks (retry 1 of at most 3)" in out
+    assert "ok: test page posted to #alerts" in out and "ok: reply posted in the page's" in out
+    attempts = fake.requests_for("chat.postMessage")
+    assert [r.status for r in attempts] == [429, 200, 200]
+    waited = attempts[1].time - attempts[0].time
+    assert 1.0 <= waited < 1.8, waited
+    assert len(fake.posts()) == 2
+
+
+def test_slack_test_rate_limit_retries_are_bounded(
+    fake: FakeSlack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cli_env(monkeypatch, fake)
+    fake.script("chat.postMessage", *[Reply.ratelimited(0)] * 10)
+    assert cli_slack_test([]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: posting the test page: ratelimited" in err
+    assert "Slack asked to wait 0 s (Retry-After)" in err
+    assert len(fake.requests_for("chat.postMessage")) == 4  # the try and 3 retries
 
 
 def test_slack_test_not_configured_and_bad_config(
@@ -310,7 +341,7 @@ def test_token_never_appears_in_any_output(
     wrong = "xoxb-0000000000-0000000000-WrongButSecret"
     console = io.StringIO()
     log = EventLog(tmp_path / "events.jsonl")
-    events = sample_incident_events()
+    events = example_incident_events()
     # 1. A bot with a wrong token, then the right one, with outages in between.
     with PageDispatcher(
         [bot_notifier(fake, token=wrong), ConsoleNotifier(console), JsonlNotifier(log)],

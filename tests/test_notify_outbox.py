@@ -1,82 +1,32 @@
 """Never lose a page, never send one twice: the outbox across SIGKILL and restarts, the lock,
-the console and JSONL notifiers, and the repeat schedule."""
+the console and JSONL notifiers. (Requests in flight at a kill: test_notify_in_doubt.py.)"""
 
 from __future__ import annotations
 
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slack_server import FakeSlack, Reply, bot_notifier, fast_delivery, wait_until
+from slack_server import (
+    FakeSlack,
+    Reply,
+    bot_notifier,
+    fast_delivery,
+    kill_child,
+    start_paging_child,
+    wait_until,
+)
 
 from agent.eventlog import EventLog, read_events
 from agent.incidents import IncidentEvent
 from agent.notify.base import TransientDeliveryError
 from agent.notify.console import ConsoleNotifier
 from agent.notify.dispatcher import PageDispatcher
+from agent.notify.example_page import example_incident_events
 from agent.notify.jsonl import JsonlNotifier
 from agent.notify.outbox import Outbox, OutboxLockedError
-from agent.notify.repeat import RepeatSchedule
-from agent.notify.sample import sample_incident_events
-
-# The child process: a dispatcher on run_dir that submits the sample events, says so, and
-# then idles until it is killed.
-CHILD = """
-import sys, time
-from agent.notify.config import DeliveryConfig, SlackConfig, resolve_slack
-from agent.notify.dispatcher import PageDispatcher
-from agent.notify.sample import sample_incident_events
-from agent.notify.slack import SlackNotifier
-
-run_dir, base_url, token = sys.argv[1:4]
-delivery = DeliveryConfig(retry_initial_s=0.05, retry_max_s=0.1, max_attempts=10_000,
-                          connection_retries=0)
-settings = resolve_slack(SlackConfig(bot_token=token, channel="#alerts", base_url=base_url,
-                                     timeout_s=2, use_env=False))
-pages = PageDispatcher([SlackNotifier(settings, delivery)], run_dir, delivery=delivery)
-for event in sample_incident_events():
-    pages.submit(event)
-print("SUBMITTED", flush=True)
-time.sleep(120)
-"""
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeSlack]:
-    with FakeSlack() as server:
-        yield server
-
-
-def _start_child(run_dir: Path, fake: FakeSlack) -> subprocess.Popen[str]:
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(run_dir), fake.base_url, fake.token],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    line = child.stdout.readline()  # blocks until the events are in the outbox
-    assert line.strip() == "SUBMITTED", child.stderr.read() if child.stderr else line
-    return child
-
-
-def _kill(child: subprocess.Popen[str]) -> None:
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait(10)
-    assert child.returncode == -signal.SIGKILL
 
 
 def _event_ids(posts: list[dict]) -> list[str]:
@@ -85,10 +35,10 @@ def _event_ids(posts: list[dict]) -> list[str]:
 
 def test_pages_survive_sigkill_and_are_sent_once(fake: FakeSlack, tmp_path: Path) -> None:
     fake.down()  # nothing can be delivered while the first process lives
-    child = _start_child(tmp_path, fake)
-    _kill(child)
+    child = start_paging_child(tmp_path, fake)
+    kill_child(child)
     fake.up()
-    events = sample_incident_events()
+    events = example_incident_events()
     with PageDispatcher(
         [bot_notifier(fake)], tmp_path, delivery=fast_delivery(), start=False
     ) as pages:
@@ -115,9 +65,9 @@ def test_replies_after_restart_go_to_the_first_process_thread(
 ) -> None:
     # The opening page gets through, then Slack fails until the process is killed.
     fake.script("chat.postMessage", Reply.normal(), *[Reply.server_error()] * 1000)
-    child = _start_child(tmp_path, fake)
+    child = start_paging_child(tmp_path, fake)
     assert wait_until(lambda: len(fake.requests_for("chat.postMessage")) >= 3, timeout=10)
-    _kill(child)
+    kill_child(child)
     opened = fake.posts()
     assert _event_ids(opened) == ["fa_precision-0001:opened:0"]
     fake.clear_scripts()  # Slack is healthy again
@@ -137,7 +87,7 @@ def test_replies_after_restart_go_to_the_first_process_thread(
 
 
 def test_torn_journal_line_is_tolerated(tmp_path: Path) -> None:
-    events = sample_incident_events()
+    events = example_incident_events()
     outbox = Outbox(tmp_path, ["a", "b"])
     for event in events:
         assert outbox.add(event)
@@ -159,7 +109,7 @@ def test_torn_journal_line_is_tolerated(tmp_path: Path) -> None:
 
 
 def test_fully_delivered_events_are_compacted_but_remembered(tmp_path: Path) -> None:
-    events = sample_incident_events()
+    events = example_incident_events()
     outbox = Outbox(tmp_path, ["a"])
     for event in events:
         outbox.add(event)
@@ -191,7 +141,7 @@ def test_slow_slack_does_not_delay_console_or_jsonl(fake: FakeSlack, tmp_path: P
     log = EventLog(tmp_path / "events.jsonl")
     notifiers = [bot_notifier(fake), ConsoleNotifier(console), JsonlNotifier(log)]
     pages = PageDispatcher(notifiers, tmp_path, delivery=fast_delivery())
-    events = sample_incident_events()
+    events = example_incident_events()
     started = time.perf_counter()
     for event in events:
         pages.submit(event)
@@ -256,7 +206,7 @@ class BrokenNotifier(FlakyNotifier):
 def test_custom_notifier_threads_and_order(tmp_path: Path) -> None:
     flaky = FlakyNotifier(failures=3)
     with PageDispatcher([flaky], tmp_path, delivery=fast_delivery(), start=False) as pages:
-        events = sample_incident_events()
+        events = example_incident_events()
         for event in events:
             pages.submit(event)
         events[0].incident.severity = "info"  # the caller keeps changing its incident
@@ -278,18 +228,18 @@ def test_a_broken_notifier_never_reaches_the_training_thread(tmp_path: Path) -> 
         tmp_path,
         delivery=fast_delivery(max_attempts=2, retry_initial_s=0.01),
     )
-    pages.submit(sample_incident_events()[0])  # does not raise
+    pages.submit(example_incident_events()[0])  # does not raise
     assert wait_until(lambda: "[mechwatch page]" in console.getvalue())
     assert wait_until(lambda: pages.status()["broken"].parked)
     assert "RuntimeError: a bug in a notifier" in pages.status()["broken"].last_error
     assert not pages.close(0.1)
-    pages.submit(sample_incident_events()[1])  # after close: logged, not raised
+    pages.submit(example_incident_events()[1])  # after close: logged, not raised
 
 
 def test_without_run_dir_pages_still_flow(tmp_path: Path) -> None:
     console = io.StringIO()
     with PageDispatcher([ConsoleNotifier(console)], None) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert pages.flush(5)
     assert "[CRITICAL]" in console.getvalue()
     assert not any(tmp_path.iterdir())
@@ -300,22 +250,3 @@ def test_dispatcher_arguments_are_checked(tmp_path: Path) -> None:
         PageDispatcher([], tmp_path)
     with pytest.raises(ValueError, match="unique"):
         PageDispatcher([ConsoleNotifier(), ConsoleNotifier()], tmp_path)
-
-
-def test_repeat_schedule() -> None:
-    schedule = RepeatSchedule(every_steps=100, every_s=3600)
-    assert not schedule.due("i1", 10_000, 1e9)  # never paged: not due
-    schedule.mark("i1", 1000, now=1e9)
-    assert not schedule.due("i1", 1099, 1e9 + 3599)
-    assert schedule.due("i1", 1100, 1e9 + 1)  # steps
-    assert schedule.due("i1", 1001, 1e9 + 3600)  # time
-    restored = RepeatSchedule(every_steps=100, every_s=3600)
-    restored.load_state_dict(json.loads(json.dumps(schedule.state_dict())))
-    assert restored.due("i1", 1100, 1e9) and not restored.due("i1", 1050, 1e9)
-    schedule.forget("i1")
-    assert not schedule.due("i1", 10**9, 1e12)
-    assert not RepeatSchedule().due("x", 1, 1.0)  # no interval: never
-    with pytest.raises(ValueError, match="every_steps"):
-        RepeatSchedule(every_steps=0)
-    with pytest.raises(ValueError, match="every_s"):
-        RepeatSchedule(every_s=-1)

@@ -9,6 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from agent.incidents import ActionRecord, Evidence, IncidentEvent
+from agent.notify.example_page import (
+    example_incident,
+    example_incident_events,
+    example_page_markdown,
+)
 from agent.notify.render import (
     MAX_BLOCKS,
     MAX_CONTEXT_ELEMENTS,
@@ -22,7 +27,6 @@ from agent.notify.render import (
     render_text,
     truncate,
 )
-from agent.notify.sample import sample_incident, sample_incident_events, sample_markdown
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "slack.md"
 
@@ -55,7 +59,7 @@ def assert_within_slack_limits(blocks: list[dict[str, Any]], text: str) -> None:
 
 
 def test_opening_page_shows_everything_a_person_needs() -> None:
-    opened = sample_incident_events()[0]
+    opened = example_incident_events()[0]
     page = render_page(opened)
     assert_within_slack_limits(page.blocks, page.text)
     header = page.blocks[0]["text"]["text"]
@@ -95,7 +99,7 @@ def test_opening_page_shows_everything_a_person_needs() -> None:
 
 
 def test_replies_are_about_their_event() -> None:
-    _, action, resolved = sample_incident_events()
+    _, action, resolved = example_incident_events()
     blocks = render_blocks(action)
     assert blocks[0]["text"]["text"].endswith("Action · attention_fp32_backward, rollback")
     taken = next(s for s in _section_texts(blocks) if s.startswith("*Actions taken"))
@@ -113,7 +117,7 @@ def test_replies_are_about_their_event() -> None:
 
 
 def test_dry_run_actions_are_proposed_not_taken() -> None:
-    incident = sample_incident()
+    incident = example_incident()
     incident.actions = [
         ActionRecord(
             action="lr_scale",
@@ -138,7 +142,7 @@ def test_dry_run_actions_are_proposed_not_taken() -> None:
 
 
 def test_huge_incident_is_truncated_with_counts() -> None:
-    incident = sample_incident()
+    incident = example_incident()
     # 400 distinct rules firing, long summaries, a very long suggestion list.
     incident.evidence = [
         Evidence(
@@ -177,7 +181,7 @@ def test_huge_incident_is_truncated_with_counts() -> None:
 
 
 def test_every_kind_renders_within_limits() -> None:
-    base = sample_incident_events()[1]
+    base = example_incident_events()[1]
     for kind in ("opened", "updated", "escalated", "action", "repeat", "resolved", "custom"):
         event = copy.deepcopy(base)
         event.kind = kind
@@ -188,7 +192,7 @@ def test_every_kind_renders_within_limits() -> None:
 
 
 def test_user_text_is_escaped_for_mrkdwn() -> None:
-    incident = sample_incident()
+    incident = example_incident()
     incident.evidence[0].summary = "<!channel> & <http://evil|click>"
     event = IncidentEvent(
         kind="opened", seq=0, step=1, incident=incident, message="a `tick` <@U123>"
@@ -199,7 +203,7 @@ def test_user_text_is_escaped_for_mrkdwn() -> None:
 
 
 def test_non_finite_values_render() -> None:
-    incident = sample_incident()
+    incident = example_incident()
     incident.evidence[0].value = float("nan")
     incident.evidence[0].baseline = None
     text = render_text(IncidentEvent(kind="opened", seq=0, step=1, incident=incident))
@@ -215,6 +219,6 @@ def test_docs_example_is_generated_by_the_renderer() -> None:
     text = DOCS.read_text(encoding="utf-8")
     match = re.search(r"<!-- BEGIN GENERATED.*?-->\n(.*)<!-- END GENERATED -->", text, re.S)
     assert match, "docs/slack.md lost its generated section"
-    assert match.group(1) == sample_markdown(), (
-        "docs/slack.md is stale: regenerate it with `python -m agent.notify.sample`"
+    assert match.group(1) == example_page_markdown(), (
+        "docs/slack.md is stale: regenerate it with `python -m agent.notify.example_page`"
     )

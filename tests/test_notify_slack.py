@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,20 +20,7 @@ from slack_server import (
 )
 
 from agent.notify.dispatcher import PageDispatcher
-from agent.notify.sample import sample_incident_events
-
-
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    # slack-sdk routes through HTTP(S)_PROXY when set; the fake server is local.
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeSlack]:
-    with FakeSlack() as server:
-        yield server
+from agent.notify.example_page import example_incident_events
 
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -46,7 +32,7 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_incident_is_one_thread(fake: FakeSlack, tmp_path: Path) -> None:
-    opened, action, resolved = sample_incident_events()
+    opened, action, resolved = example_incident_events()
     escalated = copy.deepcopy(opened)
     escalated.kind, escalated.seq, escalated.step = "escalated", 3, 5300
     with PageDispatcher([bot_notifier(fake)], tmp_path, delivery=fast_delivery()) as pages:
@@ -81,7 +67,7 @@ def test_incident_is_one_thread(fake: FakeSlack, tmp_path: Path) -> None:
 def test_rate_limit_honours_retry_after(fake: FakeSlack, tmp_path: Path) -> None:
     fake.script("chat.postMessage", Reply.ratelimited(retry_after=1))
     with PageDispatcher([bot_notifier(fake)], tmp_path, delivery=fast_delivery()) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert pages.flush(5)
     attempts = fake.requests_for("chat.postMessage")
     assert [r.status for r in attempts] == [429, 200]
@@ -98,7 +84,7 @@ def test_server_errors_then_success(
     fake.script("chat.postMessage", Reply.server_error(500), Reply.server_error(503))
     delivery = fast_delivery(retry_initial_s=0.1)
     with PageDispatcher([bot_notifier(fake)], tmp_path, delivery=delivery) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert pages.flush(5)
         status = pages.status()["slack"]
     attempts = fake.requests_for("chat.postMessage")
@@ -120,7 +106,7 @@ def test_connection_refused_then_up(fake: FakeSlack, tmp_path: Path) -> None:
     notifier = bot_notifier(fake)
     fake.down()
     with PageDispatcher([notifier], tmp_path, delivery=fast_delivery()) as pages:
-        for event in sample_incident_events():
+        for event in example_incident_events():
             pages.submit(event)
         assert wait_until(lambda: pages.status()["slack"].failures >= 2)
         assert pages.status()["slack"].last_code == "connection_refused"
@@ -148,7 +134,7 @@ def test_permanent_error_is_reported_once_without_a_storm(
     code: str,
     hint: str,
 ) -> None:
-    events = sample_incident_events()
+    events = example_incident_events()
     delivery = fast_delivery(recheck_s=30)
     notifier = bot_notifier(fake, token=token, channel=channel, delivery=delivery)
     with PageDispatcher([notifier], tmp_path, delivery=delivery, start=False) as pages:
@@ -162,7 +148,7 @@ def test_permanent_error_is_reported_once_without_a_storm(
         status = pages.status()["slack"]
         assert status.parked and status.last_code == code
         assert pages.pending() == 3
-        pages.submit(sample_incident_events(incident_id="other")[0])  # no retry on submit
+        pages.submit(example_incident_events(incident_id="other")[0])  # no retry on submit
         time.sleep(0.2)
     assert len(fake.requests_for("chat.postMessage")) == 1
     errors = _errors(caplog)
@@ -189,7 +175,7 @@ def test_parked_notifier_rechecks_and_recovers(fake: FakeSlack, tmp_path: Path) 
     with PageDispatcher(
         [bot_notifier(fake, delivery=delivery)], tmp_path, delivery=delivery
     ) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert wait_until(lambda: pages.status()["slack"].parked)
         # The bot was invited meanwhile: the recheck delivers without a restart.
         assert wait_until(lambda: pages.pending() == 0, timeout=3)
@@ -207,7 +193,7 @@ def test_retries_used_up_park_the_notifier(
     with PageDispatcher(
         [bot_notifier(fake, delivery=delivery)], tmp_path, delivery=delivery
     ) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert not pages.flush(3)
         assert pages.status()["slack"].parked
         time.sleep(0.2)
@@ -219,7 +205,7 @@ def test_retries_used_up_park_the_notifier(
 def test_malformed_blocks_fall_back_to_text(fake: FakeSlack, tmp_path: Path) -> None:
     fake.script("chat.postMessage", Reply.error("invalid_blocks"))
     with PageDispatcher([bot_notifier(fake)], tmp_path, delivery=fast_delivery()) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert pages.flush(5)
     attempts = fake.requests_for("chat.postMessage")
     assert len(attempts) == 2 and "blocks" in attempts[0].body and "metadata" in attempts[0].body
@@ -231,7 +217,7 @@ def test_rejected_message_is_recorded_and_the_queue_moves_on(
     fake: FakeSlack, tmp_path: Path
 ) -> None:
     fake.script("chat.postMessage", Reply.error("msg_too_long"), Reply.error("msg_too_long"))
-    events = sample_incident_events()
+    events = example_incident_events()
     with PageDispatcher([bot_notifier(fake)], tmp_path, delivery=fast_delivery()) as pages:
         for event in events:
             pages.submit(event)
@@ -247,7 +233,7 @@ def test_rejected_message_is_recorded_and_the_queue_moves_on(
 def test_webhook_pages_quote_the_incident(fake: FakeSlack, tmp_path: Path) -> None:
     fake.script("webhook", Reply.server_error(500), Reply.ratelimited(0))
     with PageDispatcher([webhook_notifier(fake)], tmp_path, delivery=fast_delivery()) as pages:
-        for event in sample_incident_events():
+        for event in example_incident_events():
             pages.submit(event)
         assert pages.flush(5)
     assert [r.status for r in fake.requests_for("webhook")] == [500, 429, 200, 200, 200]
@@ -264,7 +250,7 @@ def test_webhook_permanent_error(
 ) -> None:
     fake.script("webhook", *[Reply.error("no_service", status=404)] * 5)
     with PageDispatcher([webhook_notifier(fake)], tmp_path, delivery=fast_delivery()) as pages:
-        pages.submit(sample_incident_events()[0])
+        pages.submit(example_incident_events()[0])
         assert not pages.flush(3)
         assert pages.status()["slack"].last_code == "no_service"
         time.sleep(0.3)
@@ -280,7 +266,7 @@ def test_channel_id_in_answer_does_not_break_threads(fake: FakeSlack, tmp_path: 
     with PageDispatcher(
         [bot_notifier(fake, channel=CHANNEL_ID)], tmp_path, delivery=fast_delivery()
     ) as pages:
-        for event in sample_incident_events()[:2]:
+        for event in example_incident_events()[:2]:
             pages.submit(event)
         assert pages.flush(5)
     posts = fake.posts()
@@ -289,7 +275,7 @@ def test_channel_id_in_answer_does_not_break_threads(fake: FakeSlack, tmp_path: 
     with PageDispatcher(
         [bot_notifier(fake, channel="#alerts")], tmp_path, delivery=fast_delivery()
     ) as pages:
-        pages.submit(sample_incident_events()[2])
+        pages.submit(example_incident_events()[2])
         assert pages.flush(5)
     last = fake.posts()[-1]
     assert "thread_ts" not in last and "Re: incident" in str(last["blocks"])

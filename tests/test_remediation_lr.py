@@ -80,9 +80,7 @@ def test_scale_survives_100_scheduler_steps(kind: str, groups: str) -> None:
         _step(ref_opt, ref_sched)
         _step(opt, scheduler)
     action = LowerLR()
-    ctx = ActionContext(
-        step=10, optimizer=opt, scheduler=scheduler, extras={"router_parameters": [router]}
-    )
+    ctx = ActionContext(step=10, optimizer=opt, scheduler=scheduler, router_parameters=[router])
     out = action.apply(ctx, LowerLRParams(factor=0.3, groups=groups))
     factors = [0.3, 0.3] if groups == "all" else [1.0, 0.3]
     assert out.after["lr_scale"] == factors

@@ -13,6 +13,7 @@ from agent.incidents import Incident
 from remediations.attention import AttentionFP32Backward, AttentionPrecisionSwitch
 from remediations.base import Action, ActionContext, ActionOutcome, ActionParams
 from remediations.halt import HaltAction, TrainingHalted
+from remediations.hparams import HyperparameterRequests
 from remediations.lr import LowerLR
 from remediations.registry import (
     ACTIONS,
@@ -34,6 +35,7 @@ class _Run:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
         self.step = 0
         self.checkpoints: Any = None
+        self.hparams = HyperparameterRequests()
 
     def context(self) -> ActionContext:
         return ActionContext(
@@ -41,6 +43,7 @@ class _Run:
             model=self.model,
             optimizer=self.optimizer,
             checkpoints=self.checkpoints,
+            hparams=self.hparams,
         )
 
     @property
@@ -84,7 +87,7 @@ def test_builtins_registered_and_unknown_names_listed() -> None:
         validate_action("lower_lrr", {})
 
 
-def test_validation_errors_name_the_field_and_runner_keys_are_split() -> None:
+def test_validation_errors_name_the_field_and_pacing_keys_are_split() -> None:
     with pytest.raises(ValidationError) as err:
         validate_action("lower_lr", {"factor": 2.0})
     assert err.value.errors()[0]["loc"] == ("factor",)
@@ -98,13 +101,16 @@ def test_validation_errors_name_the_field_and_runner_keys_are_split() -> None:
         validate_action("halt", {"mode": "explode"})
     with pytest.raises(ValidationError):  # strict: a YAML string is not a number
         validate_action("lower_lr", {"factor": "0.5"})
-    params, runner = split_action_params(
+    params, pacing = split_action_params(
         "lower_lr", {"factor": 0.5, "cooldown": 10, "dry_run": True}
     )
-    assert params.factor == 0.5 and runner == {"cooldown": 10, "dry_run": True}
-    # rollback declares its own loop guard: those keys go to the action, not the runner.
-    params, runner = split_action_params("rollback", {"max_per_window": 4, "cooldown": 100})
-    assert params.max_per_window == 4 and runner == {"cooldown": 100}
+    assert params.factor == 0.5 and pacing == {"cooldown": 10, "dry_run": True}
+    # rollback's loop guard is pacing's cap: the same keys, read by pacing.
+    params, pacing = split_action_params("rollback", {"max_per_window": 4, "cooldown": 100})
+    assert params.margin_steps == 100 and pacing == {"max_per_window": 4, "cooldown": 100}
+    with pytest.raises(ValidationError) as err:
+        validate_action("rollback", {"on_limit": "explode"})
+    assert err.value.errors()[0]["loc"] == ("on_limit",)
 
 
 def test_register_action_and_callable() -> None:
@@ -145,70 +151,25 @@ def test_register_action_and_callable() -> None:
         def apply(self, ctx: ActionContext, params: ActionParams) -> ActionOutcome:
             return ActionOutcome("")
 
-    with pytest.raises(ValueError, match="dry_run"):
+    with pytest.raises(ValueError, match="which pacing owns"):
         register_action(Bad)
     assert "bad_action" not in ACTIONS
 
 
-# -- runner: limits, dry run, failures, audit -----------------------------------------------------
-def test_cooldown_and_cap_in_steps_and_clock_not_rewound_by_rollback() -> None:
-    run = _Run()
-    runner, audits = _runner(run)
-    limits = {"cooldown": 100, "max_per_window": 2, "window_steps": 1000}
-    statuses = []
-    for step in (0, 50, 100, 150, 250, 1050, 1100):
-        run.step = step
-        statuses.append(runner.run("lower_lr", {"factor": 0.9, **limits}).status)
-    # 50: cooldown; 100: ok (2nd in window); 150: cooldown; 250: cap (2 in last 1000);
-    # 1050: ok (the run at 0 left the window); 1100: cooldown
-    assert statuses == [
-        "applied",
-        "skipped",
-        "applied",
-        "skipped",
-        "skipped",
-        "applied",
-        "skipped",
-    ]
-    assert "cooldown" in audits[1]["detail"] and "cap reached" in audits[4]["detail"]
-    assert run.lr == pytest.approx(0.1 * 0.9**3)
-    # A rollback takes the step back to 600: the clock counts on, it does not rewind.
-    runner.note_step(600)
-    run.step = 640  # clock 1140: 90 steps after the last run (at 1050), still in cooldown
-    assert runner.run("lower_lr", {"factor": 0.9, **limits}).status == "skipped"
-    run.step = 660  # clock 1160: 110 steps after it
-    assert runner.run("lower_lr", {"factor": 0.9, **limits}).status == "applied"
+# -- runner: dry run, failures, audit --------------------------------------------------------------
+def _lr_scale(runner: ActionRunner) -> float:
+    return runner.action("lower_lr").control.lr_scale
 
 
-def test_a_cooldown_skip_says_when_and_ready_agrees() -> None:
-    run = _Run()
-    runner, _ = _runner(run)
-    limits = {"cooldown": 100, "max_per_window": 2, "window_steps": 1000}
-    assert runner.run("lower_lr", {"factor": 0.9, **limits}).retry_in is None  # applied
-    run.step = 30
-    skipped = runner.run("lower_lr", {"factor": 0.9, **limits})
-    assert skipped.status == "skipped" and skipped.retry_in == 70
-    assert not runner.ready("lower_lr", {"factor": 0.9, **limits}, 99)
-    assert runner.ready("lower_lr", {"factor": 0.9, **limits}, 100)
-    assert runner.ready("lower_lr", {"factor": 0.9, **limits}, 100, dry_run=True)  # own history
-    run.step = 100
-    assert runner.run("lower_lr", {"factor": 0.9, **limits}).status == "applied"
-    run.step = 300  # the cap (2 per 1000 steps), not a cooldown: waiting a little will not do
-    capped = runner.run("lower_lr", {"factor": 0.9, **limits})
-    assert capped.status == "skipped" and capped.retry_in is None
-    assert not runner.ready("lower_lr", {"factor": 0.9, **limits}, 300)
-    assert runner.ready("lower_lr", {"factor": "bad"}, 300)  # run() reports what is wrong
-
-
-def test_dry_run_changes_nothing_and_has_its_own_limits() -> None:
+def test_dry_run_changes_nothing() -> None:
     run = _Run()
     runner, audits = _runner(run)
     result = runner.run("lower_lr", {"factor": 0.5, "dry_run": True})
     assert result.status == "dry_run" and result.record.dry_run and result.ok
     assert result.record.after["lr"] == [0.05] and run.lr == 0.1
-    assert runner.lr_scale == 1.0
-    assert runner.run("lower_lr", {"factor": 0.5}).status == "applied"  # not in cooldown
-    assert run.lr == 0.05 and runner.lr_scale == 0.5
+    assert _lr_scale(runner) == 1.0
+    assert runner.run("lower_lr", {"factor": 0.5}).status == "applied"
+    assert run.lr == 0.05 and _lr_scale(runner) == 0.5
     everything_dry, _ = _runner(run, dry_run=True)
     assert everything_dry.run("lower_lr", {"factor": 0.5}).status == "dry_run"
     assert run.lr == 0.05
@@ -251,20 +212,6 @@ def test_failures_are_reported_never_raised() -> None:
     # A failing action leaves the run unchanged: lower_lr without an optimizer changes nothing.
     nothing = ActionRunner(lambda: ActionContext(step=0)).run("lower_lr")
     assert not nothing.ok and "needs the optimizer" in nothing.record.detail
-
-
-def test_submit_from_another_thread_and_run_pending_in_order() -> None:
-    import threading
-
-    run = _Run()
-    runner, _ = _runner(run)
-    t = threading.Thread(target=lambda: runner.submit("lower_lr", {"factor": 0.5, "cooldown": 0}))
-    t.start()
-    t.join()
-    runner.submit("page", {"severity": "warning"})
-    results = runner.run_pending()
-    assert [r.record.action for r in results] == ["lower_lr", "page"]
-    assert run.lr == 0.05 and runner.run_pending() == []
 
 
 # -- attention action through the runner ---------------------------------------------------------
@@ -313,6 +260,7 @@ class _FakeRollback(Action):
     """Simulates a rollback: loads an older optimizer state and resets the process state."""
 
     name = "rollback"
+    restores_run = True
     old_state: dict | None = None
     switch: AttentionPrecisionSwitch | None = None
 
@@ -340,7 +288,7 @@ def test_after_rollback_the_other_actions_are_reapplied() -> None:
     result = runner.run("rollback")
     assert result.ok and sorted(result.reapplied) == ["attention_fp32_backward", "lower_lr"]
     assert run.lr == 0.025 and switch.global_enabled  # both still in force
-    assert runner._clock_step == 10  # the run continues from the restored step
+    assert result.restored_step == 10  # the run continues from the restored step
 
 
 # -- halt ----------------------------------------------------------------------------------------
@@ -364,21 +312,21 @@ def test_halt_raise_mode_with_final_checkpoint() -> None:
     run.checkpoints = _FakeCheckpoints()
     run.step = 321
     runner, _ = _runner(run)
-    assert not runner.halt.should_stop
-    runner.halt.check()  # nothing requested: no exception
+    assert not runner.action("halt").should_stop
+    runner.action("halt").check()  # nothing requested: no exception
     result = runner.run("halt", incident=_incident())
     assert result.ok and "saved at step 321" in result.record.detail
     assert run.checkpoints.saved[0][0] == 321 and run.checkpoints.saved[0][1]["healthy"] is False
-    assert runner.halt.should_stop
+    assert runner.action("halt").should_stop
     with pytest.raises(TrainingHalted, match="at step 321 \\(incident run-1-s100\\)") as err:
-        runner.halt.check()
+        runner.action("halt").check()
     assert isinstance(err.value, RuntimeError) and err.value.incident_id == "run-1-s100"
     state = json.loads(json.dumps(runner.state_dict()))
     again, _ = _runner(run)
     again.load_state_dict(state)
-    assert again.halt.should_stop
-    again.halt.clear()
-    assert not again.halt.should_stop
+    assert again.action("halt").should_stop
+    again.action("halt").clear()
+    assert not again.action("halt").should_stop
 
 
 def test_halt_flag_mode_dry_run_and_failed_checkpoint() -> None:
@@ -386,16 +334,16 @@ def test_halt_flag_mode_dry_run_and_failed_checkpoint() -> None:
     runner, _ = _runner(run)
     res = runner.run("halt", {"mode": "flag", "reason": "manual"})
     assert res.ok and "final checkpoint: not enabled" in res.record.detail
-    assert runner.halt.should_stop and runner.halt.error() is None
-    runner.halt.check()  # flag mode: no exception
+    assert runner.action("halt").should_stop and runner.action("halt").error() is None
+    runner.action("halt").check()  # flag mode: no exception
 
     run2 = _Run()
     run2.checkpoints = _FakeCheckpoints(fail=True)
     runner2, _ = _runner(run2)
-    assert runner2.run("halt", {"dry_run": True}).ok and not runner2.halt.should_stop
+    assert runner2.run("halt", {"dry_run": True}).ok and not runner2.action("halt").should_stop
     failed = runner2.run("halt")
     assert not failed.ok and "disk full" in failed.record.detail
-    assert not runner2.halt.should_stop  # all or nothing: no halt without its checkpoint
+    assert not runner2.action("halt").should_stop  # all or nothing: no halt without its checkpoint
     assert isinstance(HaltAction().state_dict(), dict)
 
 
@@ -412,7 +360,7 @@ def test_page_validates_and_reports_the_request() -> None:
 def test_hyperparameter_requests_with_caps_and_state() -> None:
     run = _Run()
     runner, _ = _runner(run)
-    hp = runner.hparams
+    hp = run.hparams
     assert hp.get(BALANCE_COEF, 0.01) == 0.01  # the loop reads it every step
     free = {"cooldown": 0}
     for _ in range(3):
@@ -437,13 +385,10 @@ def test_hyperparameter_requests_with_caps_and_state() -> None:
     assert dry.ok and hp.get(BALANCE_COEF, 0.01) == 0.5
     with pytest.raises(ValidationError):
         validate_action("request_hparam", {"name": "bad name", "value": 1.0})
-    state = json.loads(json.dumps(runner.state_dict()))
-    again, _ = _runner(run)
-    again.load_state_dict(state)
-    assert again.hparams.get(GRAD_ACCUM, 3) == 16.0
+    assert hp.state_dict()["values"][GRAD_ACCUM] == 16.0  # saved by the agent, not the runner
 
 
-def test_runner_state_round_trip_keeps_limits_and_lr_scale() -> None:
+def test_runner_state_round_trip_keeps_the_lr_scale() -> None:
     run = _Run()
     runner, _ = _runner(run)
     run.step = 1000
@@ -452,16 +397,14 @@ def test_runner_state_round_trip_keeps_limits_and_lr_scale() -> None:
     run2 = _Run()  # a restart: fresh optimizer at the configured LR
     again, _ = _runner(run2)
     again.load_state_dict(state)
-    assert again.lr_scale == 0.5
+    assert _lr_scale(again) == 0.5
     assert again.reapply_all() == {}
     assert run2.lr == 0.05
-    run2.step = 1200
-    assert again.run("lower_lr", {"factor": 0.5}).status == "skipped"  # cooldown survived
     assert isinstance(again.action("lower_lr"), LowerLR)
 
 
 def test_halt_final_checkpoint_with_the_real_checkpoint_manager(tmp_path) -> None:
-    checkpoint = pytest.importorskip("remediations.checkpoint")
+    checkpoint = pytest.importorskip("agent.checkpoints")
     run = _Run()
     run.step = 40
     with checkpoint.CheckpointManager(
@@ -473,4 +416,4 @@ def test_halt_final_checkpoint_with_the_real_checkpoint_manager(tmp_path) -> Non
         assert result.ok and "saved at step 40" in result.record.detail
         assert [info.step for info in manager.checkpoints()] == [40]
         assert not manager.checkpoints()[0].known_good  # saved during an incident
-    assert runner.halt.should_stop
+    assert runner.action("halt").should_stop

@@ -14,17 +14,17 @@ import pytest
 import torch
 from state_compare import assert_bitwise_equal, snapshot
 
+from agent.checkpoints import CheckpointManager
 from agent.incidents import Incident
 from remediations.base import ActionContext, ActionParams
-from remediations.checkpoint import CheckpointManager
+from remediations.pacing import Pacing
 from remediations.rollback import (
     NoUsableCheckpoint,
     RollbackAction,
-    RollbackEscalation,
-    RollbackLimitExceeded,
     RollbackParams,
     latest_allowed_step,
 )
+from remediations.runner import ActionRunner
 
 HEALTHY = {"healthy": True, "firing": []}
 UNHEALTHY = {"healthy": False, "firing": ["router_entropy_drop"]}
@@ -269,13 +269,13 @@ def test_no_usable_checkpoint_pages_and_halts_instead_of_loading_garbage(tmp_pat
     action = RollbackAction()
     with pytest.raises(NoUsableCheckpoint, match="no usable checkpoint at or before step 16") as e:
         action.apply(context(run, manager, onset=18), RollbackParams(margin_steps=2))
-    assert isinstance(e.value, RollbackEscalation)
+    assert e.value.escalate  # pacing pages and halts instead
     for step in (5, 10, 15):
         assert f"ckpt-{step}.pt: sha256" in str(e.value)
     assert_bitwise_equal(before, snapshot(run))
     assert run.data.position == 20
     assert len(list(tmp_path.glob("ckpt-*.pt"))) == 4  # nothing deleted
-    assert action.state_dict()["history"] == []
+    assert action.last_restore is None
 
 
 def test_checkpoints_all_after_onset_minus_margin_are_not_usable(tmp_path: Path) -> None:
@@ -298,37 +298,42 @@ def test_unhealthy_checkpoints_are_skipped_unless_allowed(tmp_path: Path) -> Non
 
 
 def test_loop_guard_escalates_after_max_per_window_rollbacks(tmp_path: Path) -> None:
+    """The loop guard is pacing's cap on rollback, counted in steps run (never rewound)."""
     run = make_run()
     manager = make_manager(run, tmp_path, every_n_steps=10)
     train_and_save(run, manager, 20)  # checkpoints at 10 and 20
-    params = RollbackParams(margin_steps=5, max_per_window=2, window_steps=100)
-    action = RollbackAction()
+    runner = ActionRunner(lambda: context(run, manager, onset=run.step - 10))
+    pacing = Pacing(runner.limits_of)
+    params = {"margin_steps": 5, "max_per_window": 2, "window_steps": 100, "cooldown": 0}
 
-    def roll_back_at(step: int) -> Any:
+    def roll_back_at(step: int, pacing: Pacing = pacing) -> str:
         run.step = step
-        outcome = action.apply(context(run, manager, onset=step - 10), params)
-        run.step = outcome.after["step"]
-        return outcome
+        firing = [("rule", [("rollback", params)])]
+        (admission,) = pacing.round(step, firing, f"incident-{step}")
+        if admission.verdict == "run":
+            result = runner.run("rollback", params)
+            pacing.ran(admission, ok=result.ok)
+            assert result.ok and result.restored_step == 20
+            pacing.moved_to(result.restored_step)
+            run.step = result.restored_step
+        pacing.round(run.step, [], None)  # the rule stops: the episode is over
+        return admission.verdict
 
-    assert roll_back_at(50).after["step"] == 20  # guard clock 50
-    assert roll_back_at(60).after["step"] == 20  # 40 steps trained since: clock 90
+    assert roll_back_at(50) == "run"  # clock 0
+    assert roll_back_at(60) == "run"  # 40 steps trained since: clock 40
     before = snapshot(run)
-    run.step = 60  # another 40 steps: clock 130, both rollbacks within the last 100 steps
-    with pytest.raises(RollbackLimitExceeded, match="2 rollbacks in the last 100 training steps"):
-        action.apply(context(run, manager, onset=50), params)
+    saved = pacing.state_dict()
+    assert roll_back_at(60) == "escalate"  # clock 80: 2 rollbacks in the last 100 steps
     assert_bitwise_equal(before, snapshot(run))  # untouched
-    dry = action.apply(context(run, manager, onset=50, dry_run=True), params)
-    assert dry.after == {"escalate": True} and dry.detail.startswith("would escalate")
 
-    # The guard survives a restart of the agent (its state is saved with the agent's).
-    restarted = RollbackAction()
-    restarted.load_state_dict(action.state_dict())
-    with pytest.raises(RollbackLimitExceeded):
-        restarted.apply(context(run, manager, onset=50), params)
+    # The guard survives a restart of the agent (pacing's state is saved with the agent's).
+    restarted = Pacing(runner.limits_of)
+    restarted.load_state_dict(saved)
+    assert roll_back_at(60, restarted) == "escalate"
 
     # Once the window has passed in trained steps, a rollback is allowed again.
-    run.step = 20 + 100  # clock 90 + 100 = 190: the rollback at clock 90 is 100 steps old
-    assert action.apply(context(run, manager, onset=100), params).after["step"] == 20
+    run.step = 20
+    assert roll_back_at(20 + 60) == "run"  # clock 80 + 60 = 140: the first left the window
 
 
 def test_dry_run_describes_the_rollback_and_changes_nothing(tmp_path: Path) -> None:
@@ -345,7 +350,7 @@ def test_dry_run_describes_the_rollback_and_changes_nothing(tmp_path: Path) -> N
     assert_bitwise_equal(before, snapshot(run))
     assert run.data.position == 20
     assert [i.step for i in manager.checkpoints()] == [20, 15, 10, 5]
-    assert action.last_restore is None and action.state_dict()["history"] == []
+    assert action.last_restore is None
     dry_none = action.apply(context(run, manager, onset=3, dry_run=True), RollbackParams())
     assert dry_none.after == {"escalate": True}
 
@@ -396,13 +401,11 @@ def test_rollback_needs_checkpoints_enabled() -> None:
 
 def test_params_are_validated() -> None:
     assert RollbackAction.name == "rollback" and RollbackAction.Params is RollbackParams
-    assert RollbackParams() == RollbackParams(
-        margin_steps=100, skip_batches=0, max_per_window=2, window_steps=5000
-    )
+    assert RollbackParams() == RollbackParams(margin_steps=100, skip_batches=0)
     with pytest.raises(pydantic.ValidationError):
         RollbackParams(margin_steps=-1)
-    with pytest.raises(pydantic.ValidationError):
-        RollbackParams(max_per_window=0)
+    with pytest.raises(pydantic.ValidationError):  # the loop guard belongs to pacing
+        RollbackParams(max_per_window=2)
     with pytest.raises(pydantic.ValidationError, match="margin"):
         RollbackParams.model_validate({"margin": 5})  # unknown key
 

@@ -96,15 +96,15 @@ LIFECYCLE = [
     (7, 1.5, "firing", None),  # 2 > keep_firing_for, but clear (below 1.0) does not hold
     (8, 3.0, "firing", None),  # condition back: the count starts over
     (9, 0.5, "firing", None),
-    (10, 0.5, "inactive", "resolved"),  # 2 > 1 and value < 1.0: cooldown until step 14
+    (10, 0.5, "inactive", "resolved"),  # 2 > 1 and value < 1.0
     (11, 3.0, "pending", "pending"),
     (12, 3.0, "pending", None),
-    (13, 3.0, "pending", None),  # held long enough, suppressed by the cooldown
-    (14, 3.0, "firing", "firing"),  # cooldown over: fires again
+    (13, 3.0, "firing", "firing"),  # the rule's cooldown paces its actions, not the alert
+    (14, 3.0, "firing", None),
 ]
 
 
-def test_lifecycle_with_for_keep_firing_for_clear_and_cooldown():
+def test_lifecycle_with_for_keep_firing_for_and_clear():
     engine, store = engine_for(
         rule_text(
             "hot",
@@ -126,12 +126,10 @@ def test_lifecycle_with_for_keep_firing_for_clear_and_cooldown():
         (alert,) = engine.alerts()
         assert alert.state == state, step
         seen += transitions
-        if step == 13:
-            assert alert.suppressed and alert.cooldown_until == 14
     firing = [t for t in seen if t.kind == "firing"]
     assert [(t.step, t.alert.fired_step, t.alert.onset_step) for t in firing] == [
         (5, 5, 3),
-        (14, 14, 11),
+        (13, 13, 11),
     ]
     resolved = next(t for t in seen if t.kind == "resolved")
     assert (resolved.alert.resolved_step, resolved.alert.resolved_time) == (10, 110.0)
@@ -317,7 +315,7 @@ def test_state_round_trip_keeps_a_firing_alert_firing_without_a_new_page():
         new_store.append(Sample.make(step, "loss", value))
         kinds += [(t.kind, t.step) for t in restarted.evaluate(step, 0.0)]
     assert kinds == [("resolved", 6)]
-    assert restarted.alerts()[0].cooldown_until == 16
+    assert restarted.alerts()[0].resolved_step == 6
 
 
 def test_state_of_a_changed_rule_is_dropped():
@@ -332,7 +330,7 @@ def test_state_of_a_changed_rule_is_dropped():
         changed.load_state_dict({"version": 99})
 
 
-def test_steps_fed_once_disabled_rules_skipped_and_evidence():
+def test_points_fed_once_disabled_rules_skipped_and_evidence():
     engine, store = engine_for(
         rule_text(
             "hot",
@@ -346,10 +344,11 @@ def test_steps_fed_once_disabled_rules_skipped_and_evidence():
     )
     store.extend([Sample.make(3, "loss", 2.5, rank=0), Sample.make(3, "loss", 2.7, rank=0)])
     engine.evaluate(3, 0.0)
-    store.append(Sample.make(3, "loss", 9.0, rank=0))  # the same step again: not fed twice
+    store.append(Sample.make(3, "loss", 9.0, rank=0))  # a later point at the same step is fed
     engine.evaluate(3, 0.0)
+    engine.evaluate(3, 0.0)  # ... once
     (alert,) = engine.alerts()
-    assert engine.detector("hot", alert.labels).fed == [(3, 2.7)]
+    assert engine.detector("hot", alert.labels).fed == [(3, 2.7), (3, 9.0)]
     evidence = alert.to_evidence()
     assert (evidence.rule, evidence.family, evidence.labels) == (
         "hot",
@@ -357,12 +356,12 @@ def test_steps_fed_once_disabled_rules_skipped_and_evidence():
         {"rank": "0"},
     )
     assert (evidence.value, evidence.baseline, evidence.fired_step, evidence.trend) == (
-        2.7,
+        9.0,
         2.0,
         3,
         "rising",
     )
-    assert evidence.summary == "loss at 2.70 on 0 since 3"
+    assert evidence.summary == "loss at 9.00 on 0 since 3"
     assert evidence.suggest == "lower the LR (n/a)"
     assert [str(a) for a in alert.actions] == ["page", "rollback(margin_steps=100)"]
     assert "off" not in {a.rule for a in engine.alerts()}

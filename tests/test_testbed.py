@@ -13,8 +13,8 @@ from agent.testbed.bands import Band, clean_band, departure_step, earliest_depar
 from agent.testbed.cli import cli_testbed
 from agent.testbed.data import MarkovSource
 from agent.testbed.divergence import degradation_step, divergence_step, ema
+from agent.testbed.metrics_file import monitor_series, read_metrics
 from agent.testbed.model import MoETransformer, TestbedConfig
-from agent.testbed.records import monitor_series, read_metrics
 from agent.testbed.runner import ROUTER_GROUP, TestbedRun, run_scenario
 from agent.testbed.scenarios import SCENARIOS, ScenarioConfig
 
@@ -239,7 +239,7 @@ def test_faults_switch_on_at_fault_start() -> None:
     assert run.step_index == 6 and run.last_loss is not None and run.last_loss.shape == ()
 
 
-def test_record_has_scalars_every_step_and_monitors_on_cadence(tmp_path: Path) -> None:
+def test_record_has_scalars_every_step_and_the_agents_samples_on_cadence(tmp_path: Path) -> None:
     cfg = ScenarioConfig.preset(
         "fa_precision",
         steps=8,
@@ -257,17 +257,74 @@ def test_record_has_scalars_every_step_and_monitors_on_cadence(tmp_path: Path) -
     for r in records:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["weight_norm"] > 0
         assert r["fa_fault"] == (r["step"] >= 4)
-        assert ("monitors" in r) == (r["step"] % 3 == 0)
-    m3 = records[3]["monitors"]
-    assert len(m3[names.QK_DELTA2_ENTROPY]["blocks.0.attn"]) == 4  # one per query head
-    assert len(m3[names.DWK_ENTROPY]["blocks.0.attn"]) == 2  # one per KV head
-    assert 0 <= m3[names.ROUTER_ENTROPY]["blocks.1.moe.gate"] <= math.log(4) + 1e-6
-    assert names.QK_DELTA2_ENTROPY not in records[0]["monitors"]  # no snapshot yet
+        assert ("samples" in r) == (r["step"] % 3 == 0)
+    by_metric: dict[str, list] = {}
+    for step, metric, labels, value in records[3]["samples"]:
+        assert step == 3
+        by_metric.setdefault(metric, []).append((labels, value))
+    layer0 = [
+        lab for lab, _ in by_metric[names.QK_DELTA2_ENTROPY] if lab["layer"] == "blocks.0.attn"
+    ]
+    assert sorted(int(lab["head"]) for lab in layer0) == [0, 1, 2, 3]  # one per query head
+    kv = [lab for lab, _ in by_metric[names.DWK_ENTROPY] if lab["layer"] == "blocks.0.attn"]
+    assert sorted(int(lab["kv_head"]) for lab in kv) == [0, 1]  # one per KV head
+    entropy = dict((lab["router"], v) for lab, v in by_metric[names.ROUTER_ENTROPY])
+    assert 0 <= entropy["blocks.1.moe.gate"] <= math.log(4) + 1e-6
+    first = {metric for _, metric, _, _ in records[0]["samples"]}
+    assert names.QK_DELTA2_ENTROPY not in first and names.ROUTER_ENTROPY in first  # no pair yet
     assert summary.steps == 8 and (tmp_path / "plot.png").stat().st_size > 10_000
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["scenario"] == "fa_precision" and saved["files"]["plot"].endswith("plot.png")
     series = monitor_series(records, names.ROUTER_ENTROPY)
     assert series["blocks.0.moe.gate"][0] == [0, 3, 6]
+
+
+def test_the_test_bed_measures_exactly_what_the_agent_measures(tmp_path: Path) -> None:
+    """One measurement pipeline: the recorder's samples equal the agent's for the same run."""
+    from agent.agent import Agent
+    from agent.config import AgentConfig
+
+    cfg = ScenarioConfig.preset(
+        "fa_precision",
+        steps=12,
+        model=SMALL,
+        batch_size=2,
+        warmup_steps=2,
+        monitor_every=4,
+        markov_pool=4,
+        markov_branching=2,
+        fault_start=4,
+    )
+    recorded = TestbedRun(cfg)
+    watched = TestbedRun(cfg, record_monitors=False)
+    agent_cfg = AgentConfig.model_validate(
+        {
+            "run_dir": tmp_path / "run",
+            "rules": [],
+            "qk": {"delta": 4},
+            "router": {"every": 4},
+            "scheduling": {"apply_lag": 0},
+            "notify": {"console": "never"},
+            "watchdog": {"enabled": False},
+        }
+    )
+    ours: dict[tuple, float] = {}
+    with Agent(watched.model, watched.optimizer, config=agent_cfg) as agent:
+        for step in range(12):
+            recorded.step()
+            for s, metric, labels, value in recorded.last_samples or []:
+                ours[(s, metric, tuple(sorted(labels.items())))] = value
+            watched.step()
+            agent.step(step)
+        theirs = {
+            (s, metric, labels): v
+            for metric in agent.store.metrics()
+            if metric not in ("loss", "loss_nonfinite", "grad_norm")
+            for labels, points in agent.store.select(metric).items()
+            for s, v in points
+        }
+    assert theirs.keys() == ours.keys() and len(ours) > 50
+    assert all(theirs[k] == pytest.approx(ours[k], rel=1e-6, abs=1e-9) for k in ours)
 
 
 def test_read_metrics_names_the_bad_line(tmp_path: Path) -> None:
@@ -393,4 +450,4 @@ def test_state_dict_resumes_the_run_exactly() -> None:
     assert losses_a == losses_b and b.step_index == 7 and b.fa_fault_active
     quiet = TestbedRun(a.config, record_monitors=False)
     quiet.step()
-    assert quiet.last_monitors is None
+    assert quiet.last_samples is None

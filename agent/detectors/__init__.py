@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from agent.detectors.base import Detector, DetectorParams, Trend
+from agent.detectors.base import Detector, DetectorParams, DetectorProtocol, Trend
 from agent.detectors.baseline import BaselineDetector
 from agent.detectors.cusum import CUSUMDetector
 from agent.detectors.ewma import EWMADetector
@@ -88,6 +88,7 @@ __all__ = [
     "CUSUMDetector",
     "Detector",
     "DetectorParams",
+    "DetectorProtocol",
     "EWMADetector",
     "PageHinkleyDetector",
     "SlopeDetector",

@@ -25,6 +25,10 @@ Shared behaviour, implemented here once:
   restores it exactly: the detector then produces the same outputs as the one that saved it.
   A state saved with other parameters is refused with a ``ValueError`` (build the detector
   from the saved parameters with ``agent.detectors.detector_from_state`` instead).
+
+Two types, one contract: ``DetectorProtocol`` is what the rule engine depends on (any object
+with those members will do, such as a test's fake passed in a ``DetectorCatalog``); the
+``Detector`` base class implements it, plus the behaviour above, for every built-in detector.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -97,9 +101,53 @@ def scale_floor(scale: float, minimum: float, center: float) -> float:
     return max(scale, minimum, RELATIVE_SCALE_FLOOR * abs(center), TINY_SCALE)
 
 
+def welford(n: int, mean: float, m2: float, value: float) -> tuple[float, float]:
+    """Welford's update of a running mean and M2 (the sum of squared deviations) with the
+    ``n``-th value (``n`` counts it); the sample variance is ``M2 / (n - 1)``."""
+    delta = value - mean
+    mean += delta / n
+    return mean, m2 + delta * (value - mean)
+
+
+def default_when_neither(data: Any, keys: tuple[str, str], default: Mapping[str, Any]) -> Any:
+    """For a "before" model validator: raw parameters ``data`` with ``default`` added when it
+    is a mapping that names neither of two alternative ``keys``."""
+    if isinstance(data, Mapping) and keys[0] not in data and keys[1] not in data:
+        return {**data, **default}
+    return data
+
+
+class DetectorProtocol(Protocol):
+    """What the rule engine needs from a detector: feed values, read the verdict, save it."""
+
+    def update(self, step: int, value: float) -> DetectorProtocol:
+        """Feed the value measured at ``step``; returns the detector."""
+        ...
+
+    @property
+    def triggered(self) -> bool: ...
+
+    @property
+    def onset_step(self) -> int | None: ...
+
+    @property
+    def direction(self) -> str | None: ...
+
+    @property
+    def statistic(self) -> float | None: ...
+
+    @property
+    def baseline(self) -> float | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Detector(ABC):
-    """One change detector. Subclasses set ``type`` and ``Params`` and implement the hooks
-    ``_reset_state``, ``_update_finite``, ``_get_state`` and ``_set_state``."""
+    """One change detector, implementing ``DetectorProtocol``. Subclasses set ``type`` and
+    ``Params`` and implement the hooks ``_reset_state``, ``_update_finite``, ``_get_state`` and
+    ``_set_state``."""
 
     type: ClassVar[str]
     Params: ClassVar[type[DetectorParams]] = DetectorParams
@@ -254,6 +302,28 @@ class Detector(ABC):
         self._direction = trend
         self._onset_step = onset_step if trend is not None else None
         assert trend is None or onset_step is not None, "a triggered detector needs an onset"
+
+    def _set_larger_side_verdict(
+        self,
+        direction: str,
+        limit: float,
+        high: tuple[float, int | None],
+        low: tuple[float, int | None],
+    ) -> None:
+        """The verdict of a detector with one statistic >= 0 per side (CUSUM's sums, Page-
+        Hinkley's PH), each with the onset of its current excursion: triggered on a side
+        ``direction`` watches whose statistic exceeds ``limit`` (the larger one when both
+        do); the statistic shown is the larger, signed (+ rising, - falling)."""
+        (high_stat, high_onset), (low_stat, low_onset) = high, low
+        self._statistic = high_stat if high_stat >= low_stat else -low_stat
+        high_fires = direction in ("rising", "both") and high_stat > limit
+        low_fires = direction in ("falling", "both") and low_stat > limit
+        if high_fires and (not low_fires or high_stat >= low_stat):
+            self._set_verdict(TREND_RISING, high_onset)
+        elif low_fires:
+            self._set_verdict(TREND_FALLING, low_onset)
+        else:
+            self._set_verdict(None, None)
 
     @abstractmethod
     def _reset_state(self) -> None:

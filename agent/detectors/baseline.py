@@ -52,13 +52,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from agent.detectors.base import (
-    TREND_FALLING,
-    TREND_RISING,
-    Detector,
-    DetectorParams,
-    scale_floor,
-)
+from agent.detectors.base import Detector, DetectorParams, default_when_neither, scale_floor
 from agent.detectors.runs import HalfBandRuns
 
 DEFAULT_Z = 5.0
@@ -102,9 +96,7 @@ class BaselineParams(DetectorParams):
     @model_validator(mode="before")
     @classmethod
     def _default_criterion(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and "rel" not in data and "z" not in data:
-            data = {**data, "z": DEFAULT_Z}
-        return data
+        return default_when_neither(data, ("rel", "z"), {"z": DEFAULT_Z})
 
     @model_validator(mode="after")
     def _check(self) -> BaselineParams:
@@ -189,18 +181,9 @@ class BaselineDetector(Detector):
         median, scale, margin = self._median, self.scale, self.margin()
         assert scale is not None and margin is not None
         self._statistic = (value - median) / scale
-        side = 0
-        if p.direction in ("drop", "both") and value < median - 0.5 * margin:
-            side = -1
-        elif p.direction in ("rise", "both") and value > median + 0.5 * margin:
-            side = 1
-        triggered = (side < 0 and value < median - margin) or (side > 0 and value > median + margin)
-        released = self._runs.observe(step, side, value, learnable=not triggered)
-        if triggered:
-            trend = TREND_FALLING if side < 0 else TREND_RISING
-            self._set_verdict(trend, self._runs.since(side))
-        else:
-            self._set_verdict(None, None)
+        sides = (p.direction in ("drop", "both"), p.direction in ("rise", "both"))
+        trend, onset, released = self._runs.judge(step, value, median, margin, value, sides)
+        self._set_verdict(trend, onset)
         if p.window is not None and released is not None:  # rolling: learn the previous value
             self._values.append(released)
             self._learn()

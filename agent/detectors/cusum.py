@@ -39,14 +39,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from agent.detectors.base import (
-    TREND_FALLING,
-    TREND_RISING,
-    Detector,
-    DetectorParams,
-    Trend,
-    scale_floor,
-)
+from agent.detectors.base import Detector, DetectorParams, scale_floor, welford
+from agent.detectors.runs import run_start
 
 
 class CUSUMParams(DetectorParams):
@@ -107,33 +101,18 @@ class CUSUMDetector(Detector):
         p = self.params
         if not self.ready:
             self._n_finite += 1
-            delta = value - self._mean
-            self._mean += delta / self._n_finite
-            self._m2 += delta * (value - self._mean)
+            self._mean, self._m2 = welford(self._n_finite, self._mean, self._m2, value)
             return
         std = self.std
         assert std is not None
         u = (value - self._mean) / std
         self._c_high = max(0.0, self._c_high + u - p.k)
         self._c_low = max(0.0, self._c_low - u - p.k)
-        if self._c_high == 0.0:
-            self._high_since = None
-        elif self._high_since is None:
-            self._high_since = step
-        if self._c_low == 0.0:
-            self._low_since = None
-        elif self._low_since is None:
-            self._low_since = step
-        self._statistic = self._c_high if self._c_high >= self._c_low else -self._c_low
-        high = p.direction in ("rising", "both") and self._c_high > p.h
-        low = p.direction in ("falling", "both") and self._c_low > p.h
-        trend: Trend | None = None
-        onset = None
-        if high and (not low or self._c_high >= self._c_low):
-            trend, onset = TREND_RISING, self._high_since
-        elif low:
-            trend, onset = TREND_FALLING, self._low_since
-        self._set_verdict(trend, onset)
+        self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
+        self._low_since = run_start(self._c_low != 0.0, self._low_since, step)
+        self._set_larger_side_verdict(
+            p.direction, p.h, (self._c_high, self._high_since), (self._c_low, self._low_since)
+        )
 
     def _get_state(self) -> dict[str, Any]:
         return {

@@ -47,11 +47,11 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from agent.detectors.base import (
-    TREND_FALLING,
-    TREND_RISING,
     Detector,
     DetectorParams,
+    default_when_neither,
     scale_floor,
+    welford,
 )
 from agent.detectors.runs import HalfBandRuns
 
@@ -90,9 +90,7 @@ class EWMAParams(DetectorParams):
     @model_validator(mode="before")
     @classmethod
     def _default_alpha(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and "alpha" not in data and "halflife" not in data:
-            data = {**data, "alpha": DEFAULT_ALPHA}
-        return data
+        return default_when_neither(data, ("alpha", "halflife"), {"alpha": DEFAULT_ALPHA})
 
     @model_validator(mode="after")
     def _check(self) -> EWMAParams:
@@ -142,11 +140,11 @@ class EWMADetector(Detector):
 
     def _update_finite(self, step: int, value: float) -> None:
         p = self.params
-        if self._n_finite < p.warmup:  # Welford
+        if self._n_finite < p.warmup:
             self._n_finite += 1
-            delta = value - self._mean
-            self._mean += delta / self._n_finite
-            self._m2_or_var += delta * (value - self._mean)
+            self._mean, self._m2_or_var = welford(
+                self._n_finite, self._mean, self._m2_or_var, value
+            )
             if self._n_finite == p.warmup:
                 self._m2_or_var /= p.warmup - 1  # M2 -> sample variance
             return
@@ -155,19 +153,9 @@ class EWMADetector(Detector):
         assert std is not None
         z = (value - self._mean) / std
         self._statistic = z
-        half = 0.5 * p.z
-        side = 0
-        if p.direction in ("falling", "both") and z < -half:
-            side = -1
-        elif p.direction in ("rising", "both") and z > half:
-            side = 1
-        triggered = (side < 0 and z < -p.z) or (side > 0 and z > p.z)
-        released = self._runs.observe(step, side, value, learnable=not triggered)
-        if triggered:
-            trend = TREND_FALLING if side < 0 else TREND_RISING
-            self._set_verdict(trend, self._runs.since(side))
-        else:
-            self._set_verdict(None, None)
+        sides = (p.direction in ("falling", "both"), p.direction in ("rising", "both"))
+        trend, onset, released = self._runs.judge(step, z, 0.0, p.z, value, sides)
+        self._set_verdict(trend, onset)
         if released is not None:  # the previous value, unless it was part of a run
             self._learn(released)
 

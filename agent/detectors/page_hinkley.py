@@ -44,14 +44,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from agent.detectors.base import (
-    TREND_FALLING,
-    TREND_RISING,
-    Detector,
-    DetectorParams,
-    Trend,
-    scale_floor,
-)
+from agent.detectors.base import Detector, DetectorParams, scale_floor, welford
 
 
 class PageHinkleyParams(DetectorParams):
@@ -120,10 +113,9 @@ class PageHinkleyDetector(Detector):
     def _update_finite(self, step: int, value: float) -> None:
         p = self.params
         self._n_finite += 1
-        delta_mean = value - self._mean
-        self._mean += delta_mean / self._n_finite
+        self._mean, m2 = welford(self._n_finite, self._mean, self._m2, value)
         if self._sigma is None:
-            self._m2 += delta_mean * (value - self._mean)
+            self._m2 = m2
             if self._n_finite == p.warmup:
                 std = math.sqrt(self._m2 / (p.warmup - 1))
                 self._sigma = scale_floor(std, p.min_std, self._mean) if p.standardize else 1.0
@@ -141,16 +133,9 @@ class PageHinkleyDetector(Detector):
             self._low_onset = step
         ph_high = self._m_high - self._min_high
         ph_low = self._m_low - self._min_low
-        self._statistic = ph_high if ph_high >= ph_low else -ph_low
-        high = p.direction in ("rising", "both") and ph_high > p.threshold
-        low = p.direction in ("falling", "both") and ph_low > p.threshold
-        trend: Trend | None = None
-        onset = None
-        if high and (not low or ph_high >= ph_low):
-            trend, onset = TREND_RISING, self._high_onset
-        elif low:
-            trend, onset = TREND_FALLING, self._low_onset
-        self._set_verdict(trend, onset)
+        self._set_larger_side_verdict(
+            p.direction, p.threshold, (ph_high, self._high_onset), (ph_low, self._low_onset)
+        )
 
     def _get_state(self) -> dict[str, Any]:
         return {

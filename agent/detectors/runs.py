@@ -28,6 +28,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from agent.detectors.base import TREND_FALLING, TREND_RISING, Trend
+
+Sides = tuple[bool, bool]  # (watch the low side, watch the high side)
+
+
+def run_start(inside: bool, since: int | None, step: int) -> int | None:
+    """First step of the current run of updates ``inside`` a condition, after the update at
+    ``step``: None when it is outside, ``step`` when a run begins, else ``since``."""
+    if not inside:
+        return None
+    return step if since is None else since
+
 
 class HalfBandRuns:
     """See the module docstring. O(1) per value."""
@@ -49,14 +61,8 @@ class HalfBandRuns:
         if it may be learned now, else None. ``learnable`` False (the value triggered) means
         the value itself is never released."""
         assert side in (-1, 0, 1)
-        if side >= 0:
-            self.low_since = None
-        elif self.low_since is None:
-            self.low_since = step
-        if side <= 0:
-            self.high_since = None
-        elif self.high_since is None:
-            self.high_since = step
+        self.low_since = run_start(side < 0, self.low_since, step)
+        self.high_since = run_start(side > 0, self.high_since, step)
         released = None
         if self._held is not None:
             in_run = self._held_side != 0 and self._held_side in (self._held_prev_side, side)
@@ -66,6 +72,24 @@ class HalfBandRuns:
         self._held_side, self._held_prev_side = side, self._prev_side
         self._prev_side = side
         return released
+
+    def judge(
+        self, step: int, x: float, center: float, margin: float, value: float, sides: Sides
+    ) -> tuple[Trend | None, int | None, float | None]:
+        """Judge ``x`` against the band ``center -/+ margin`` on the watched ``sides`` (low,
+        high): its side of the half band ``center -/+ margin / 2`` goes to ``observe`` with
+        ``value``, the value to learn. Returns the trend (None unless ``x`` is beyond the full
+        margin), the onset of its run, and the value ``observe`` released for learning."""
+        side = 0
+        if sides[0] and x < center - 0.5 * margin:
+            side = -1
+        elif sides[1] and x > center + 0.5 * margin:
+            side = 1
+        triggered = (side < 0 and x < center - margin) or (side > 0 and x > center + margin)
+        released = self.observe(step, side, value, learnable=not triggered)
+        if not triggered:
+            return None, None, released
+        return (TREND_FALLING if side < 0 else TREND_RISING), self.since(side), released
 
     def since(self, side: int) -> int | None:
         """First step of the current run on ``side``."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 
 def gaussian_noise(n: int, noise: float = 1.0, seed: int = 0) -> list[float]:
@@ -35,9 +36,14 @@ def _check_index(name: str, index: int, n: int) -> None:
         raise ValueError(f"{name} must be in [0, n={n}], got {index}")
 
 
+def _plus_noise(n: int, shape: Callable[[int], float], noise: float, seed: int) -> list[float]:
+    """``shape(i) + gaussian_noise(n, noise, seed)[i]`` for i in range(n)."""
+    return [shape(i) + e for i, e in enumerate(gaussian_noise(n, noise, seed))]
+
+
 def noise_series(n: int, level: float = 0.0, noise: float = 1.0, seed: int = 0) -> list[float]:
     """A flat ``level`` plus noise."""
-    return [level + e for e in gaussian_noise(n, noise, seed)]
+    return _plus_noise(n, lambda i: level, noise, seed)
 
 
 def step_series(
@@ -50,8 +56,7 @@ def step_series(
 ) -> list[float]:
     """``before`` for indices < ``at``, ``after`` from index ``at`` on, plus noise."""
     _check_index("at", at, n)
-    eps = gaussian_noise(n, noise, seed)
-    return [(before if i < at else after) + eps[i] for i in range(n)]
+    return _plus_noise(n, lambda i: before if i < at else after, noise, seed)
 
 
 def ramp_series(
@@ -65,8 +70,7 @@ def ramp_series(
     """``level`` before index ``start``, then ``level + slope * (i - start + 1)``: index
     ``start`` is the first departed value. Plus noise. ``slope`` is per index."""
     _check_index("start", start, n)
-    eps = gaussian_noise(n, noise, seed)
-    return [level + slope * max(0, i - start + 1) + eps[i] for i in range(n)]
+    return _plus_noise(n, lambda i: level + slope * max(0, i - start + 1), noise, seed)
 
 
 def spike_series(
@@ -82,5 +86,4 @@ def spike_series(
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     _check_index("at", at, n - width)
-    eps = gaussian_noise(n, noise, seed)
-    return [level + (height if at <= i < at + width else 0.0) + eps[i] for i in range(n)]
+    return _plus_noise(n, lambda i: level + (height if at <= i < at + width else 0.0), noise, seed)

@@ -18,6 +18,8 @@ from typing import Any
 # Public name -> submodule of agent.notify that defines it.
 _EXPORTS = {
     "DeliveryError": "base",
+    "DeliveryLookup": "base",
+    "LookupUnavailableError": "base",
     "MessageRejectedError": "base",
     "Notifier": "base",
     "PermanentDeliveryError": "base",
@@ -38,7 +40,6 @@ _EXPORTS = {
     "render_blocks": "render",
     "render_page": "render",
     "render_text": "render",
-    "RepeatSchedule": "repeat",
     "SlackNotifier": "slack",
 }
 

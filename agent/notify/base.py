@@ -14,6 +14,12 @@ Failures are exceptions of three kinds, which decide what the dispatcher does ne
   changes (bad token, unknown channel). Reported once; the events stay in the outbox.
 - ``MessageRejectedError``: this one message can never be delivered (malformed); it is
   recorded as rejected for this notifier and the queue moves on.
+
+A send whose outcome is unknown (the process was killed while the request was in flight, or
+the request timed out waiting for the answer) leaves the event *in doubt*. Before sending it
+again the dispatcher asks a notifier that implements ``DeliveryLookup`` whether the event got
+through; ``LookupUnavailableError`` means it cannot tell, and the event is sent again (at
+least once). A notifier without ``find_delivered`` is always sent to again.
 """
 
 from __future__ import annotations
@@ -37,10 +43,18 @@ class TransientDeliveryError(DeliveryError):
     """Try again later: rate limit, 5xx, no network."""
 
     def __init__(
-        self, message: str, *, code: str, hint: str = "", retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        code: str,
+        hint: str = "",
+        retry_after: float | None = None,
+        maybe_delivered: bool = False,
     ) -> None:
         super().__init__(message, code=code, hint=hint)
         self.retry_after = retry_after  # seconds the server asked us to wait, if it did
+        # The request went out but no answer came (a read timeout): it may have been delivered.
+        self.maybe_delivered = maybe_delivered
 
 
 class PermanentDeliveryError(DeliveryError):
@@ -49,6 +63,10 @@ class PermanentDeliveryError(DeliveryError):
 
 class MessageRejectedError(DeliveryError):
     """This message can never be delivered as it is (too large, malformed)."""
+
+
+class LookupUnavailableError(DeliveryError):
+    """The notifier cannot tell whether an event was delivered (no API, missing scope)."""
 
 
 @runtime_checkable
@@ -64,4 +82,19 @@ class Notifier(Protocol):
 
     def close(self) -> None:
         """Release resources. Called once, after the last ``send``."""
+        ...
+
+
+@runtime_checkable
+class DeliveryLookup(Protocol):
+    """Optional for a notifier: can tell whether an in-doubt event reached its destination."""
+
+    def find_delivered(
+        self, event: IncidentEvent, thread: str | None, attempted_at: float
+    ) -> str | None:
+        """Look for ``event`` as sent with ``thread`` no earlier than ``attempted_at`` (unix
+        time, seconds). Return the reference ``send`` would have returned (non-empty) when
+        it was delivered, None when it certainly was not. Raise ``LookupUnavailableError``
+        when this cannot be known, another ``DeliveryError`` when the lookup itself failed.
+        """
         ...

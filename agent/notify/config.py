@@ -101,7 +101,10 @@ class DeliveryConfig(BaseModel):
     )
     max_retry_after_s: float = Field(900.0, gt=0, description="Cap on a server's Retry-After.")
     connection_retries: int = Field(
-        1, ge=0, description="Immediate in-client retries on a dropped connection (slack-sdk)."
+        1,
+        ge=0,
+        description="Immediate in-client retries (slack-sdk) of a connection that failed before "
+        "the request was sent.",
     )
     connection_retry_interval_s: float = Field(
         0.5, ge=0, description="Pause before an in-client connection retry."

@@ -20,10 +20,17 @@ Failure policy (see ``agent.notify.base``):
 - rejected (malformed message): recorded as rejected for that notifier; the queue moves on.
 
 On start, events an earlier process left undelivered in the same run dir are sent first;
-an event id already delivered is never sent again by the same notifier. The one window in
-which a page can be repeated is a crash between Slack's answer and the fsync of the
-delivery record (milliseconds): delivery is exactly once except there, where it is at least
-once.
+an event id already delivered is never sent again by the same notifier.
+
+Requests in flight. Before each send an ``attempt`` (notifier, event id, unix time) is
+fsync'd to the outbox; the ``done`` record follows the answer. An event with an attempt and
+no ``done`` is *in doubt*: the process was killed during the request (which lasts up to the
+HTTP timeout, not milliseconds), or the request timed out waiting for the answer. Before
+sending an in-doubt event again, the sender asks the notifier (``DeliveryLookup``) whether it
+got through: if so it is recorded as delivered with the reference found (so replies still
+thread), else it is sent. A notifier that cannot tell (``LookupUnavailableError``: Slack
+without the history scope, a webhook) or has no lookup gets it again, logged once with the
+reason: exactly once where the lookup works, at least once for a request in flight otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from pathlib import Path
 from agent.incidents import IncidentEvent
 from agent.notify.base import (
     DeliveryError,
+    DeliveryLookup,
+    LookupUnavailableError,
     MessageRejectedError,
     Notifier,
     PermanentDeliveryError,
@@ -93,6 +102,7 @@ class PageDispatcher:
         self._stopping = False
         self._closed = False
         self._random = random.Random()
+        self._lookup_reported: set[tuple[str, str]] = set()  # (notifier, code) warned about
         if start:
             self.start()
 
@@ -212,8 +222,14 @@ class PageDispatcher:
         waiting = [st for st in self._status.values() if self._outbox.pending_for(st.name)]
         return bool(waiting) and all(st.parked for st in waiting)
 
-    def _next_job(self, notifier: Notifier) -> tuple[IncidentEvent, str | None] | None:
-        """Under the lock: wait until an event is due for ``notifier``; None to stop."""
+    def _next_job(
+        self, notifier: Notifier
+    ) -> tuple[IncidentEvent, str | None, float | None] | None:
+        """Under the lock: wait until an event is due for ``notifier``; None to stop.
+
+        Returns the event, the thread reference of its incident, and the unix time of its
+        earliest in-doubt attempt (None when it is not in doubt).
+        """
         st = self._status[notifier.name]
         while not self._stopping:
             event = self._outbox.next_for(notifier.name)
@@ -224,7 +240,9 @@ class PageDispatcher:
             if wait > 0:
                 self._cv.wait(wait)
                 continue
-            return event, self._outbox.thread_for(notifier.name, event.incident.id)
+            name = notifier.name
+            thread = self._outbox.thread_for(name, event.incident.id)
+            return event, thread, self._outbox.in_doubt_since(name, event.event_id)
         return None
 
     def _run(self, notifier: Notifier) -> None:
@@ -233,9 +251,9 @@ class PageDispatcher:
                 job = self._next_job(notifier)
             if job is None:
                 return
-            event, thread = job
+            event, thread, in_doubt_since = job
             try:
-                ref = notifier.send(event, thread)
+                ref = self._deliver(notifier, event, thread, in_doubt_since)
             except Exception as exc:
                 with self._cv:
                     try:
@@ -258,6 +276,70 @@ class PageDispatcher:
                     )
                 self._on_success(notifier.name, event)
                 self._cv.notify_all()
+
+    def _deliver(
+        self,
+        notifier: Notifier,
+        event: IncidentEvent,
+        thread: str | None,
+        in_doubt_since: float | None,
+    ) -> str | None:
+        """Without the lock: settle an in-doubt event, else record an attempt and send."""
+        if in_doubt_since is not None:
+            found = self._find_delivered(notifier, event, thread, in_doubt_since)
+            if found is not None:
+                return found
+        with self._cv:
+            self._outbox.mark_attempt(notifier.name, event, time.time())
+        try:
+            return notifier.send(event, thread)
+        except DeliveryError as exc:
+            if not getattr(exc, "maybe_delivered", False):  # a clear "no": not in doubt
+                with self._cv:
+                    self._outbox.clear_attempt(notifier.name, event.event_id)
+            raise
+
+    def _find_delivered(
+        self, notifier: Notifier, event: IncidentEvent, thread: str | None, since: float
+    ) -> str | None:
+        """The reference of in-doubt ``event`` if it was delivered; None: send it (again).
+
+        A failed lookup (429, 5xx, network, a bad token) raises: it is retried like a send.
+        """
+        name = notifier.name
+        code, reason, hint = "no_lookup", "it has no lookup", ""
+        if isinstance(notifier, DeliveryLookup):
+            try:
+                ref = notifier.find_delivered(event, thread, since)
+            except LookupUnavailableError as exc:
+                code, reason, hint = exc.code, scrub(str(exc)), scrub(exc.hint)
+            except DeliveryError:
+                raise
+            except Exception as exc:  # a bug in a lookup must not hold the page back
+                code, reason = "lookup_failed", scrub(f"{type(exc).__name__}: {exc}")
+            else:
+                if ref:
+                    log.info(
+                        "pages: %s had delivered %s already (found it); not sending it again",
+                        name,
+                        event.event_id,
+                    )
+                    return ref
+                with self._cv:
+                    self._outbox.clear_attempt(name, event.event_id)
+                log.info("pages: %s had not delivered %s; sending it", name, event.event_id)
+                return None
+        if (name, code) not in self._lookup_reported:
+            self._lookup_reported.add((name, code))
+            log.warning(
+                "pages: %s cannot check whether %s got through before its request was cut "
+                "off (%s); sending it again, so it may show twice%s",
+                name,
+                event.event_id,
+                reason,
+                f". Hint: {hint}" if hint else "",
+            )
+        return None
 
     def _backoff(self, failures: int) -> float:
         cfg = self.delivery

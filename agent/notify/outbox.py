@@ -6,11 +6,18 @@ call returns, so an event acknowledged by ``add`` survives a SIGKILL, and so doe
 delivery. A torn last line (killed mid-write) is ignored on load. Records:
 
 - ``{"op": "event", "id": ..., "event": {...}}``: a submitted ``IncidentEvent``.
+- ``{"op": "attempt", "notifier": ..., "id": ..., "at": ...}``: ``notifier`` is about to send
+  event ``id`` (``at``: unix time, seconds). Written and fsync'd *before* the request goes
+  out, so a process killed while the request is in flight leaves an attempt without a
+  ``done``: the event is *in doubt* (it may or may not have reached its destination).
+- ``{"op": "not_delivered", "notifier": ..., "id": ...}``: the attempts so far certainly did
+  not deliver (the destination said no, or a lookup found nothing): no longer in doubt.
 - ``{"op": "done", "notifier": ..., "id": ..., "incident": ..., "ref": ..., "outcome": ...}``:
   one notifier finished with one event (``delivered``, or ``rejected`` as malformed).
   ``ref`` is what the notifier returned (a Slack thread reference) or null.
-- ``{"op": "snapshot", "done": {notifier: [ids]}, "threads": {notifier: {incident: ref}}}``:
-  the compacted history, written first when the journal is rewritten on open and close.
+- ``{"op": "snapshot", "done": {notifier: [ids]}, "threads": {notifier: {incident: ref}},
+  "attempts": {notifier: {id: at}}}``: the compacted history (``attempts``: the events still
+  in doubt), written first when the journal is rewritten on open and close.
 
 Rewrites are atomic (temp file, fsync, rename, fsync of the directory). An exclusive lock
 file keeps two live processes from delivering the same outbox (the lock dies with its
@@ -73,6 +80,8 @@ class Outbox:
         self._payloads: dict[str, dict[str, Any]] = {}  # the same events as JSON dicts
         self._done: dict[str, set[str]] = {}  # notifier -> event ids it finished
         self._threads: dict[str, dict[str, str]] = {}  # notifier -> incident id -> ref
+        # notifier -> event id -> unix time (s) of the earliest send whose outcome is unknown
+        self._attempts: dict[str, dict[str, float]] = {}
         self._file: IO[str] | None = None
         self._lock_file: IO[str] | None = None
         self.durable = self.directory is not None
@@ -123,11 +132,18 @@ class Outbox:
                         self._done.setdefault(name, set()).update(ids)
                     for name, threads in record.get("threads", {}).items():
                         self._threads.setdefault(name, {}).update(threads)
+                    for name, attempts in record.get("attempts", {}).items():
+                        for event_id, at in attempts.items():
+                            self._apply_attempt(name, event_id, float(at))
                 elif op == "event":
                     event_id = record["id"]
                     if event_id not in self._events:
                         self._events[event_id] = IncidentEvent.from_dict(record["event"])
                         self._payloads[event_id] = record["event"]
+                elif op == "attempt":
+                    self._apply_attempt(record["notifier"], record["id"], float(record["at"]))
+                elif op == "not_delivered":
+                    self._attempts.get(record["notifier"], {}).pop(record["id"], None)
                 elif op == "done":
                     self._apply_done(
                         record["notifier"],
@@ -160,6 +176,11 @@ class Outbox:
             "version": JOURNAL_VERSION,
             "done": {name: sorted(ids) for name, ids in self._done.items()},
             "threads": self._threads,
+            "attempts": {
+                name: {e: at for e, at in attempts.items() if e in self._events}
+                for name, attempts in self._attempts.items()
+                if any(e in self._events for e in attempts)
+            },
         }
 
     def _rewrite(self) -> None:
@@ -206,10 +227,17 @@ class Outbox:
 
     # ------------------------------------------------------------------ state
 
+    def _apply_attempt(self, name: str, event_id: str, at: float) -> None:
+        if event_id in self._done.get(name, ()):
+            return
+        attempts = self._attempts.setdefault(name, {})
+        attempts[event_id] = min(at, attempts.get(event_id, at))  # the earliest one counts
+
     def _apply_done(
         self, name: str, event_id: str, incident_id: str | None, ref: str | None, outcome: str
     ) -> None:
         self._done.setdefault(name, set()).add(event_id)
+        self._attempts.get(name, {}).pop(event_id, None)
         if outcome == "delivered" and ref and incident_id:
             self._threads.setdefault(name, {}).setdefault(incident_id, ref)
 
@@ -246,6 +274,28 @@ class Outbox:
 
     def thread_for(self, name: str, incident_id: str) -> str | None:
         return self._threads.get(name, {}).get(incident_id)
+
+    def mark_attempt(self, name: str, event: IncidentEvent, at: float) -> None:
+        """Record, durably, that ``name`` is about to send ``event`` (``at``: unix time, s)."""
+        self._append({"op": "attempt", "notifier": name, "id": event.event_id, "at": at})
+        self._apply_attempt(name, event.event_id, at)
+
+    def in_doubt_since(self, name: str, event_id: str) -> float | None:
+        """Unix time of the earliest send of ``event_id`` by ``name`` with an unknown outcome.
+
+        None when no such send exists: the event was never attempted, or every attempt is
+        known to have failed (``clear_attempt``), or it is done.
+        """
+        return self._attempts.get(name, {}).get(event_id)
+
+    def clear_attempt(self, name: str, event_id: str) -> None:
+        """Record that ``name``'s attempts at ``event_id`` so far certainly did not deliver
+        (the destination said no, or a lookup found nothing). Nothing to do if none is open.
+        """
+        if event_id not in self._attempts.get(name, {}):
+            return
+        self._append({"op": "not_delivered", "notifier": name, "id": event_id})
+        self._attempts[name].pop(event_id, None)
 
     def mark_done(
         self,

@@ -5,18 +5,25 @@ With a bot token the first message of an incident opens a thread; escalations, a
 repeats and the resolution are replies in it (``thread_ts``). A webhook cannot thread or
 report a message id, so its replies are top-level messages that quote the incident id.
 
-Errors are sorted into the three ``agent.notify.base`` kinds. 429 (Retry-After), 5xx and
-network errors are transient: the dispatcher waits, interruptibly, and tries again; slack-sdk's
-``ConnectionErrorRetryHandler`` only covers an immediate retry of a dropped connection.
-Token, channel and scope problems are permanent and come with a hint. A message Slack
-rejects as malformed is retried once as plain text before it is given up.
+Errors are sorted into the three ``agent.notify.base`` kinds (``agent.notify.slack_errors``).
+429 (Retry-After), 5xx and network errors are transient: the dispatcher waits, interruptibly,
+and tries again; slack-sdk's ``ConnectionErrorRetryHandler`` only retries at once a
+connection that failed before the request was sent. Token, channel and scope problems are
+permanent and come with a hint. A message Slack rejects as malformed is retried once as plain
+text before it is given up.
+
+Every message carries metadata (``event_type`` ``mechwatch_page``) with the event id and the
+run it comes from. ``find_delivered`` looks for it, for a page whose request was cut off by a
+crash or a read timeout: ``conversations.history`` of the channel (or
+``conversations.replies`` of the incident's thread) since the attempt, with
+``include_all_metadata``. That needs the channel as an ID and the ``channels:history`` scope
+(``groups:history`` for a private channel); without them the lookup is unavailable and the
+page is sent again.
 """
 
 from __future__ import annotations
 
 import re
-import socket
-import ssl
 from typing import Any
 from urllib.error import URLError
 
@@ -28,6 +35,7 @@ from slack_sdk.webhook import WebhookClient
 from agent.incidents import IncidentEvent
 from agent.notify.base import (
     DeliveryError,
+    LookupUnavailableError,
     MessageRejectedError,
     PermanentDeliveryError,
     TransientDeliveryError,
@@ -35,6 +43,17 @@ from agent.notify.base import (
 from agent.notify.config import DeliveryConfig, SlackSettings
 from agent.notify.render import RenderedPage, render_page
 from agent.notify.secrets import get_logger, scrub
+from agent.notify.slack_errors import (
+    ERROR_CODE,
+    HINTS,
+    MESSAGE_WEBHOOK_ERRORS,
+    PERMANENT_WEBHOOK_ERRORS,
+    api_error,
+    lookup_unavailable,
+    network_code,
+    network_error,
+    retry_after,
+)
 
 # slack-sdk logs every failed connection attempt at ERROR; the dispatcher reports failures
 # itself (once per outage), so the SDK's logger is quiet unless someone turns it up.
@@ -43,140 +62,46 @@ SDK_LOGGER.setLevel("CRITICAL")
 # A thread reference is "<channel as configured>|<ts>": a reply goes into the thread only when
 # the channel is still the same (a restart with another channel starts a new thread).
 THREAD_SEPARATOR = "|"
-# What a Slack error code looks like; anything else (an HTML error page) is reported by status.
-ERROR_CODE = re.compile(r"[a-z][a-z0-9_]{1,60}")
+# A conversation ID (public C..., private G..., direct D...); conversations.history takes only IDs.
+CHANNEL_ID = re.compile(r"[CGD][A-Z0-9]{6,}")
+METADATA_EVENT_TYPE = "mechwatch_page"
+# The metadata keys that identify one page: incident ids repeat across runs, so the run's
+# name, host, rank, job and the event's step are part of the identity.
+PAGE_IDENTITY = ("event_id", "run", "host", "rank", "job", "step")
+# The lookup searches from this many seconds before the recorded attempt (clock skew between
+# this host and Slack), LOOKUP_PAGE messages per call, at most LOOKUP_PAGES calls.
+LOOKUP_MARGIN_S = 120.0
+LOOKUP_PAGE = 200
+LOOKUP_PAGES = 5
 
-# Web API errors after which nothing can be delivered until the configuration changes.
-PERMANENT_API_ERRORS = frozenset(
-    {
-        "invalid_auth",
-        "not_authed",
-        "account_inactive",
-        "token_revoked",
-        "token_expired",
-        "no_permission",
-        "missing_scope",
-        "not_allowed_token_type",
-        "ekm_access_denied",
-        "org_login_required",
-        "team_access_not_granted",
-        "access_denied",
-        "restricted_action",
-        "channel_not_found",
-        "not_in_channel",
-        "is_archived",
-        "invalid_channel",
+
+def page_metadata(event: IncidentEvent) -> dict[str, Any]:
+    """The ``metadata`` of ``event``'s message (Slack message metadata: flat JSON values)."""
+    ctx = event.context
+    payload: dict[str, Any] = {
+        "event_id": event.event_id,
+        "incident_id": event.incident.id,
+        "kind": event.kind,
+        "family": event.incident.family,
+        "severity": event.incident.severity,
+        "run": ctx.run_name,
+        "host": ctx.host,
+        "rank": ctx.rank,
+        "step": event.step,
     }
-)
-# Errors about this one message.
-MESSAGE_API_ERRORS = frozenset(
-    {
-        "invalid_blocks",
-        "invalid_blocks_format",
-        "msg_too_long",
-        "no_text",
-        "too_many_attachments",
-        "invalid_arguments",
-        "invalid_metadata_format",
-        "invalid_metadata_schema",
-        "metadata_too_large",
-        "metadata_must_be_sent_from_app",
-        "invalid_arg_name",
-        "invalid_array_arg",
-        "invalid_charset",
-        "invalid_form_data",
-        "invalid_post_type",
-        "missing_post_type",
-        "invalid_json",
-        "json_not_object",
-    }
-)
-# Incoming-webhook answers (HTTP status and a plain-text body).
-PERMANENT_WEBHOOK_ERRORS = frozenset(
-    {
-        "invalid_token",
-        "no_service",
-        "no_team",
-        "team_disabled",
-        "channel_not_found",
-        "channel_is_archived",
-        "action_prohibited",
-        "posting_to_general_channel_denied",
-        "user_not_found",
-    }
-)
-MESSAGE_WEBHOOK_ERRORS = frozenset(
-    {
-        "invalid_payload",
-        "invalid_blocks",
-        "invalid_blocks_format",
-        "no_text",
-        "missing_text_or_fallback_or_attachments",
-        "too_many_attachments",
-    }
-)
-
-HINTS = {
-    "invalid_auth": "the bot token is not valid: check SLACK_BOT_TOKEN (xoxb-...) or "
-    "notify.slack.token_file, and that the app is installed in this workspace",
-    "not_authed": "no token reached Slack: set SLACK_BOT_TOKEN or notify.slack.token_file",
-    "account_inactive": "the token belongs to an uninstalled app or a deleted workspace: "
-    "reinstall the app and use its new bot token",
-    "token_revoked": "the token was revoked: reinstall the app and use its new bot token",
-    "token_expired": "the token expired (token rotation is on): use a non-rotating bot token",
-    "missing_scope": "the app lacks a scope: add chat:write (and chat:write.public to post in "
-    "channels the bot has not joined), then reinstall the app",
-    "not_allowed_token_type": "use a bot token (xoxb-...), not a user or app-level token",
-    "channel_not_found": "Slack knows no channel {channel} that this bot can see: check "
-    "MECHWATCH_SLACK_CHANNEL (a channel ID like C0123456789 is safest); "
-    "for a private channel, /invite the app first",
-    "not_in_channel": "the bot is not a member of {channel}: /invite the app there, or add the "
-    "chat:write.public scope",
-    "is_archived": "channel {channel} is archived: unarchive it or pick another channel",
-    "channel_is_archived": "the webhook's channel is archived: create a webhook for another "
-    "channel",
-    "invalid_token": "the incoming webhook URL is not valid: copy it again from the app's "
-    "Incoming Webhooks page",
-    "no_service": "the incoming webhook was disabled or removed: create a new webhook URL",
-    "action_prohibited": "a workspace admin restricts posting through this webhook",
-    "ratelimited": "Slack is rate-limiting this app; pages are delayed, not lost",
-    "connection_refused": "nothing accepts connections at {url}: check network access from "
-    "this host, HTTPS_PROXY, and MECHWATCH_SLACK_BASE_URL",
-    "name_resolution": "the host name in {url} does not resolve: check DNS, HTTPS_PROXY and "
-    "MECHWATCH_SLACK_BASE_URL",
-    "timeout": "no answer from {url} within the timeout: check network access and proxies",
-    "tls_error": "TLS handshake with {url} failed: check proxies and CA certificates",
-    "connection_error": "could not reach {url}: check network access from this host",
-}
+    if ctx.job_id:
+        payload["job"] = str(ctx.job_id)
+    return {"event_type": METADATA_EVENT_TYPE, "event_payload": payload}
 
 
-def _retry_after(headers: Any) -> float | None:
-    """Seconds from a Retry-After header (integer or decimal seconds), if present."""
-    if not headers:
-        return None
-    for key in headers:
-        if str(key).lower() == "retry-after":
-            value = headers[key]
-            if isinstance(value, list | tuple):
-                value = value[0] if value else None
-            try:
-                return max(0.0, float(value))
-            except (TypeError, ValueError):
-                return None
-    return None
-
-
-def _network_code(exc: BaseException) -> str:
-    reason = getattr(exc, "reason", exc)
-    if isinstance(reason, ConnectionRefusedError):
-        return "connection_refused"
-    if isinstance(reason, socket.gaierror):
-        return "name_resolution"
-    if isinstance(reason, TimeoutError | socket.timeout):
-        return "timeout"
-    if isinstance(reason, ssl.SSLError):
-        return "tls_error"
-    return "connection_error"
+def _is_page(message: Any, expected: dict[str, Any]) -> bool:
+    """Whether a message of conversations.history/.replies is the page ``expected`` describes."""
+    metadata = message.get("metadata") if isinstance(message, dict) else None
+    if not isinstance(metadata, dict) or metadata.get("event_type") != METADATA_EVENT_TYPE:
+        return False
+    payload = metadata.get("event_payload")
+    want = expected["event_payload"]
+    return isinstance(payload, dict) and all(payload.get(k) == want.get(k) for k in PAGE_IDENTITY)
 
 
 class SlackNotifier:
@@ -195,6 +120,9 @@ class SlackNotifier:
                     interval_calculator=FixedValueRetryIntervalCalculator(
                         delivery.connection_retry_interval_s
                     ),
+                    # Only failures before the request was sent: a connection dropped while
+                    # waiting for the answer may hide a posted message (the dispatcher looks).
+                    error_types=[URLError],
                 )
             ]
             if delivery.connection_retries > 0
@@ -225,6 +153,9 @@ class SlackNotifier:
             )
             self.url = "the Slack webhook URL"
         self.threads = settings.mode == "bot"
+        # The channel's ID for lookups: configured, or learned from chat.postMessage's answer.
+        channel = settings.channel or ""
+        self._channel_id: str | None = channel if CHANNEL_ID.fullmatch(channel) else None
 
     def __repr__(self) -> str:
         return f"SlackNotifier({self.settings.describe()})"
@@ -236,32 +167,13 @@ class SlackNotifier:
 
     def _api_error(self, method: str, exc: SlackApiError) -> DeliveryError:
         response = exc.response
-        status = getattr(response, "status_code", 0) or 0
-        data = getattr(response, "data", None)
-        code = data.get("error", "") if isinstance(data, dict) else ""
-        if not isinstance(code, str) or not ERROR_CODE.fullmatch(code):
-            code = f"http_{status}"  # a non-JSON body (a proxy's HTML page, ...)
-        http = f" (HTTP {status})" if status != 200 else ""
-        message = scrub(f"Slack {method} failed: {code}{http}")
-        if status == 429 or code == "ratelimited":
-            return TransientDeliveryError(
-                message,
-                code="ratelimited",
-                hint=self._hint("ratelimited"),
-                retry_after=_retry_after(getattr(response, "headers", None)),
-            )
-        if status >= 500:
-            return TransientDeliveryError(message, code=code)
-        if code in PERMANENT_API_ERRORS:
-            return PermanentDeliveryError(message, code=code, hint=self._hint(code))
-        if code in MESSAGE_API_ERRORS:
-            return MessageRejectedError(message, code=code)
-        return TransientDeliveryError(message, code=code)
-
-    def _network_error(self, method: str, exc: BaseException) -> TransientDeliveryError:
-        code = _network_code(exc)
-        message = scrub(f"Slack {method} failed: {code} ({exc})")
-        return TransientDeliveryError(message, code=code, hint=self._hint(code))
+        return api_error(
+            method,
+            getattr(response, "status_code", 0) or 0,
+            getattr(response, "data", None),
+            getattr(response, "headers", None),
+            self._hint,
+        )
 
     def _call(self, method: str, fn: Any, **kwargs: Any) -> Any:
         try:
@@ -269,7 +181,7 @@ class SlackNotifier:
         except SlackApiError as exc:
             raise self._api_error(method, exc) from None
         except (URLError, OSError) as exc:  # URLError, ConnectionError, TimeoutError, ...
-            raise self._network_error(method, exc) from None
+            raise network_error(method, exc, self._hint(network_code(exc))) from None
         except SlackClientError as exc:
             raise PermanentDeliveryError(
                 scrub(f"Slack {method} failed: {exc}"), code="client_error"
@@ -303,6 +215,59 @@ class SlackNotifier:
         channel, _, ts = thread.rpartition(THREAD_SEPARATOR)
         return ts if channel == self.settings.channel and ts else None
 
+    def find_delivered(
+        self, event: IncidentEvent, thread: str | None, attempted_at: float
+    ) -> str | None:
+        """``"<channel>|<ts>"`` of ``event``'s message if it was posted, else None.
+
+        Searches where ``send`` would have posted: the channel's history, or the thread of
+        ``thread`` for a reply, from ``attempted_at - LOOKUP_MARGIN_S`` (unix seconds) on.
+        Raises ``LookupUnavailableError`` for a webhook, a channel given by name, a missing
+        history scope or too many messages to search; other ``DeliveryError``s as ``send``.
+        """
+        if self._web is None:
+            raise LookupUnavailableError(
+                "an incoming webhook cannot list the messages it posted",
+                code="webhook",
+                hint=self._hint("webhook_lookup"),
+            )
+        if self._channel_id is None:
+            raise LookupUnavailableError(
+                f"the channel {self.settings.channel} is a name, not an ID",
+                code="channel_name",
+                hint=self._hint("channel_name"),
+            )
+        expected = page_metadata(event)
+        thread_ts = self._thread_ts(thread) if event.kind != "opened" else None
+        kwargs: dict[str, Any] = dict(
+            channel=self._channel_id,
+            oldest=f"{max(0.0, attempted_at - LOOKUP_MARGIN_S):.6f}",
+            include_all_metadata=True,
+            limit=LOOKUP_PAGE,
+        )
+        if thread_ts is None:
+            method, fn = "conversations.history", self._web.conversations_history
+        else:
+            method, fn = "conversations.replies", self._web.conversations_replies
+            kwargs["ts"] = thread_ts
+        for _ in range(LOOKUP_PAGES):
+            try:
+                response = self._call(method, fn, **kwargs)
+            except DeliveryError as exc:
+                raise lookup_unavailable(exc, self._hint("history")) from None
+            data = response.data if isinstance(response.data, dict) else {}
+            for message in data.get("messages") or []:
+                if _is_page(message, expected) and message.get("ts"):
+                    return f"{self.settings.channel}{THREAD_SEPARATOR}{message['ts']}"
+            cursor = (data.get("response_metadata") or {}).get("next_cursor")
+            if not (data.get("has_more") and cursor):
+                return None
+            kwargs["cursor"] = cursor
+        raise LookupUnavailableError(
+            f"more than {LOOKUP_PAGES * LOOKUP_PAGE} messages to search in {self.settings.channel}",
+            code="too_many_messages",
+        )
+
     def _post(
         self,
         event: IncidentEvent,
@@ -318,16 +283,7 @@ class SlackNotifier:
         )
         if not plain:
             kwargs["blocks"] = page.blocks
-            kwargs["metadata"] = {
-                "event_type": "mechwatch_page",
-                "event_payload": {
-                    "event_id": event.event_id,
-                    "incident_id": event.incident.id,
-                    "kind": event.kind,
-                    "family": event.incident.family,
-                    "severity": event.incident.severity,
-                },
-            }
+            kwargs["metadata"] = page_metadata(event)
         if thread_ts is not None:
             kwargs["thread_ts"] = thread_ts
             if event.kind in self.settings.broadcast_kinds:
@@ -339,7 +295,11 @@ class SlackNotifier:
                 raise
             # Malformed blocks or metadata should never happen; do not lose the page over them.
             return self._post(event, page, thread_ts, plain=True)
-        ts = response.get("ts") if isinstance(response.data, dict) else None
+        data = response.data if isinstance(response.data, dict) else {}
+        ts = data.get("ts")
+        channel_id = data.get("channel")
+        if self._channel_id is None and isinstance(channel_id, str):
+            self._channel_id = channel_id if CHANNEL_ID.fullmatch(channel_id) else None
         # Posted but no ts (never seen from Slack): delivered, only threading is lost.
         return str(ts) if ts else None
 
@@ -363,7 +323,7 @@ class SlackNotifier:
         message = scrub(f"Slack webhook failed: {code} (HTTP {status})")
         if status == 429:
             raise TransientDeliveryError(
-                message, code="ratelimited", retry_after=_retry_after(response.headers)
+                message, code="ratelimited", retry_after=retry_after(response.headers)
             )
         if status >= 500:
             raise TransientDeliveryError(message, code=code)

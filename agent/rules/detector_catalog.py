@@ -8,43 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-
-class Detector(Protocol):
-    """What the rule engine needs from a detector (see agent/detectors)."""
-
-    def update(self, step: int, value: float) -> Detector: ...
-
-    @property
-    def triggered(self) -> bool: ...
-
-    @property
-    def onset_step(self) -> int | None: ...
-
-    @property
-    def baseline(self) -> float | None: ...
-
-    @property
-    def statistic(self) -> float | None: ...
-
-    @property
-    def direction(self) -> str | None: ...
-
-    def reset(self) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+from agent.detectors.base import DetectorProtocol
 
 
 @dataclass(frozen=True)
 class DetectorCatalog:
     """Detector classes by YAML ``type`` (each with a pydantic ``Params`` model), and a
-    factory ``build(type_name, params) -> Detector``."""
+    factory ``build(type_name, params)`` of objects that follow ``DetectorProtocol``."""
 
     types: Mapping[str, type]
-    build: Callable[[str, Mapping[str, Any]], Detector]
+    build: Callable[[str, Mapping[str, Any]], DetectorProtocol]
 
     def params_model(self, type_name: str) -> type:
         """The pydantic model of a type's parameters; ValueError lists the valid types."""

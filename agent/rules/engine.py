@@ -18,13 +18,14 @@ Exactly: an alert fires at the value where it has held ``for`` evaluations (or s
 became pending (``for: 0`` fires at once), and resolves at the value where more than
 ``keep_firing_for`` evaluations (or steps) passed since the condition last held.
 
-Cooldown: after resolving at step r, the alert may not fire again before step r + cooldown.
-If the condition holds long enough during the cooldown, the alert waits in ``pending`` with
-``suppressed = True`` and fires at its first value at or after the end of the cooldown.
+An alert holds only its lifecycle: how often its actions run and when it is paged again is
+pacing's business (``remediations.pacing``), as in Prometheus, where repeats and grouping live
+in Alertmanager.
 
-Reading: a step that was already fed to a group (same step again) is skipped; steps that go
-backwards (after a rollback) are fed. Producers should ``store.extend`` all series of one
-step at once, so that a reduction sees all of them.
+Reading: every point is fed once (the store's cursors), in arrival order: steps that go
+backwards (after a rollback) are fed, and so is a later point at a step already fed (the
+watchdog's ``seconds_since_step`` while a run hangs at one step). Producers should
+``store.extend`` all series of one step at once, so that a reduction sees all of them.
 
 Errors: a rule whose detector raises (or whose data cannot be read) is marked unhealthy with
 its last error and the offending value is skipped; the other rules keep running. ``health``
@@ -44,8 +45,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agent.detectors import DetectorProtocol
 from agent.incidents import Evidence
-from agent.rules.detector_catalog import Detector, DetectorCatalog, default_detector_catalog
+from agent.rules.detector_catalog import DetectorCatalog, default_detector_catalog
 from agent.rules.reduce import reduce_values
 from agent.rules.ruleset import Rule, RuleSet
 from agent.rules.schema import ActionSpec
@@ -81,8 +83,6 @@ class Alert:
     resolved_step: int | None = None
     fired_time: float | None = None  # `now` of the evaluation that fired it
     resolved_time: float | None = None
-    suppressed: bool = False  # pending, held long enough, but inside the cooldown
-    cooldown_until: int | None = None  # first step at which it may fire again
     held: int = 0  # evaluations the condition has held since the episode became pending
     false_count: int = 0  # evaluations since the condition last held, while firing
     last_true_step: int | None = None  # last step the condition held, while firing
@@ -158,8 +158,6 @@ _ALERT_STATE_FIELDS = (
     "resolved_step",
     "fired_time",
     "resolved_time",
-    "suppressed",
-    "cooldown_until",
     "held",
     "false_count",
     "last_true_step",
@@ -219,7 +217,7 @@ class RuleProblem:
 
 @dataclass
 class _Group:
-    detector: Detector
+    detector: DetectorProtocol
     alert: Alert
     last_fed_step: int | None = None
 
@@ -304,8 +302,6 @@ class RuleEngine:
         group = runtime.groups.get(group_labels)
         if group is None:
             group = runtime.groups[group_labels] = self._new_group(runtime.rule, group_labels)
-        if group.last_fed_step == step:
-            return  # this step was already reduced and fed
         detector = group.detector
         detector.update(step, value)
         group.last_fed_step = step
@@ -374,7 +370,9 @@ class RuleEngine:
         group = runtime.groups.get(tuple(sorted(labels))) if runtime else None
         return group.alert if group else None
 
-    def detector(self, rule: str, labels: Iterable[tuple[str, str]] = ()) -> Detector | None:
+    def detector(
+        self, rule: str, labels: Iterable[tuple[str, str]] = ()
+    ) -> DetectorProtocol | None:
         """The detector behind one alert (for inspection and plots)."""
         runtime = self._runtimes.get(rule)
         group = runtime.groups.get(tuple(sorted(labels))) if runtime else None
@@ -472,7 +470,6 @@ def _advance(
     elif alert.state == PENDING:
         if not condition:
             alert.state = INACTIVE
-            alert.suppressed = False
             _emit(alert, PENDING, step, eval_step, now, out)
             return
         alert.held += 1
@@ -497,7 +494,6 @@ def _advance(
             alert.state = INACTIVE
             alert.resolved_step = step
             alert.resolved_time = now
-            alert.cooldown_until = step + rule.cooldown
             _emit(alert, FIRING, step, eval_step, now, out)
 
 
@@ -509,11 +505,7 @@ def _maybe_fire(
     held = alert.held if wait.unit == "evaluations" else step - alert.pending_step
     if held < wait.count:
         return
-    if alert.cooldown_until is not None and step < alert.cooldown_until:
-        alert.suppressed = True
-        return
     alert.state = FIRING
-    alert.suppressed = False
     alert.fired_step = step
     alert.fired_time = now
     alert.last_true_step = step

@@ -1,9 +1,10 @@
 """Load YAML rule files into a RuleSet, reporting every problem with file:line:col.
 
 ``load_rule_files`` reads all files, collects all errors (YAML syntax, duplicate keys, schema,
-detector parameters, action parameters, duplicate names) and raises one ``RuleFileErrors``
-that lists each, so ``mechwatch validate`` can print them all. Warnings (a metric no built-in
-monitor produces) do not stop loading; they are kept in ``RuleSet.warnings``.
+detector parameters, action parameters, duplicate names, and the size, depth and alias limits
+of ``agent.rules.yaml_source.YamlLimits``) and raises one ``RuleFileErrors`` that lists each,
+so ``mechwatch validate`` can print them all. Warnings (a metric no built-in monitor produces)
+do not stop loading; they are kept in ``RuleSet.warnings``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from agent.rules.detector_catalog import DetectorCatalog, default_detector_catal
 from agent.rules.errors import RuleFileError, RuleFileErrors
 from agent.rules.ruleset import Rule, RuleSet
 from agent.rules.schema import RuleFileSpec, describe, parse_action
-from agent.rules.yaml_source import LocatedDocument, NodePath, YamlSyntaxError, parse_located_yaml
+from agent.rules.yaml_source import (
+    LocatedDocument,
+    NodePath,
+    YamlSyntaxError,
+    parse_located_yaml,
+    read_yaml_file,
+)
 
 # Raises ValueError (unknown action) or pydantic ValidationError (bad parameters).
 ActionValidator = Callable[[str, dict[str, Any]], None]
@@ -68,7 +75,10 @@ def load_rule_files(
     loader = _RuleSetLoader(catalog, action_validator)
     for name in files:
         try:
-            text = Path(name).read_text(encoding="utf-8")
+            text = read_yaml_file(name)
+        except YamlSyntaxError as e:  # over the size limit
+            loader.errors.append(RuleFileError(name, e.line, e.column, e.message))
+            continue
         except OSError as e:
             loader.errors.append(RuleFileError(name, None, None, f"cannot read: {e.strerror or e}"))
             continue

@@ -4,11 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from agent.rules.detector_catalog import DetectorCatalog
 from agent.rules.errors import RuleFileError
 from agent.rules.matchers import LabelMatcher
 from agent.rules.schema import ActionSpec, ClearSpec, DetectorSpec, Duration, ReduceSpec, RuleSpec
+
+T = TypeVar("T")
+
+
+class _SpecField(Generic[T]):
+    """A read-only attribute of ``Rule`` that reads the ``RuleSpec`` field of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._field = name
+
+    def __get__(self, rule: Rule | None, owner: type | None = None) -> T:
+        if rule is None:  # looked up on the class: the descriptor itself
+            return self  # type: ignore[return-value]
+        return getattr(rule.spec, self._field)
 
 
 @dataclass(frozen=True)
@@ -21,57 +36,26 @@ class Rule:
     line: int
     matcher: LabelMatcher
 
+    # The spec's fields, read through: ``rule.metric`` is ``rule.spec.metric``.
+    name = _SpecField[str]()
+    metric = _SpecField[str]()
+    reduce = _SpecField[ReduceSpec | None]()
+    detector = _SpecField[DetectorSpec]()
+    for_ = _SpecField[Duration]()
+    keep_firing_for = _SpecField[Duration]()
+    clear = _SpecField[ClearSpec | None]()
+    severity = _SpecField[str]()
+    family = _SpecField[str]()
+    cooldown = _SpecField[int | None]()
+    enabled = _SpecField[bool]()
+
     @staticmethod
     def from_spec(spec: RuleSpec, group: str = "", path: str = "<memory>", line: int = 0) -> Rule:
         return Rule(spec, group, path, line, LabelMatcher.from_mapping(spec.match))
 
     @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def metric(self) -> str:
-        return self.spec.metric
-
-    @property
-    def reduce(self) -> ReduceSpec | None:
-        return self.spec.reduce
-
-    @property
-    def detector(self) -> DetectorSpec:
-        return self.spec.detector
-
-    @property
-    def for_(self) -> Duration:
-        return self.spec.for_
-
-    @property
-    def keep_firing_for(self) -> Duration:
-        return self.spec.keep_firing_for
-
-    @property
-    def clear(self) -> ClearSpec | None:
-        return self.spec.clear
-
-    @property
-    def severity(self) -> str:
-        return self.spec.severity
-
-    @property
-    def family(self) -> str:
-        return self.spec.family
-
-    @property
     def actions(self) -> tuple[ActionSpec, ...]:
         return tuple(self.spec.actions)
-
-    @property
-    def cooldown(self) -> int:
-        return self.spec.cooldown
-
-    @property
-    def enabled(self) -> bool:
-        return self.spec.enabled
 
     @property
     def source(self) -> str:

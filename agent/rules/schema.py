@@ -100,6 +100,11 @@ def parse_duration(value: Any) -> Duration:
     )
 
 
+def parse_optional_steps(value: Any) -> int | None:
+    """``parse_steps``, or None for an omitted value."""
+    return None if value is None else parse_steps(value)
+
+
 def parse_steps(value: Any) -> int:
     """A count of training steps: an integer or 'N steps'."""
     duration = parse_duration(value)
@@ -288,8 +293,12 @@ class RuleSpec(_Strict):
         description="ignore samples measured before this step (the early phase, e.g. the LR "
         "warm-up, when healthy monitors move fast); the detector's warm-up starts after it",
     )
-    cooldown: Annotated[int, BeforeValidator(parse_steps)] = Field(
-        default=0, description="steps after resolving before the same alert may fire again"
+    cooldown: Annotated[int | None, BeforeValidator(parse_optional_steps)] = Field(
+        default=None,
+        ge=0,
+        description="steps between two runs of each of this rule's actions (while it keeps "
+        "firing, or when it fires again); an action's own 'cooldown' key wins; omitted: each "
+        "action's default (remediations.pacing)",
     )
     summary: str = Field(
         default="{metric} = {value:.4g} (baseline {baseline:.4g}, onset step {onset_step})",

@@ -16,7 +16,14 @@ from agent.rules.loader import ActionValidator, default_rule_files, load_rule_fi
 from agent.rules.ruleset import RuleSet
 
 
-def _parse(prog: str, description: str, argv: list[str]) -> list[str] | int:
+def _parse_and_load(
+    prog: str,
+    description: str,
+    argv: list[str],
+    action_validator: ActionValidator | None,
+    detectors: DetectorCatalog | None,
+) -> RuleSet | int:
+    """The rule set the command line names, or the exit code after printing why not."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument(
         "paths", nargs="*", help="rule files or directories (default: the shipped rule packs)"
@@ -29,18 +36,12 @@ def _parse(prog: str, description: str, argv: list[str]) -> list[str] | int:
     if not paths:
         print("no rule files given and none shipped in mechwatch_rules", file=sys.stderr)
         return 1
-    return paths
-
-
-def _load(
-    paths: list[str], action_validator: ActionValidator | None, detectors: DetectorCatalog | None
-) -> RuleSet | None:
     try:
         ruleset = load_rule_files(paths, action_validator, detectors=detectors)
     except RuleFileErrors as e:
         for error in e.errors:
             print(error, file=sys.stderr)
-        return None
+        return 1
     for warning in ruleset.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return ruleset
@@ -58,12 +59,10 @@ def cli_validate(
 ) -> int:
     """Check rule files; print every error (one per line, to stderr) and return 1 if any,
     else print a one-line OK summary and return 0. Warnings are printed but do not fail."""
-    paths = _parse("mechwatch validate", "Check mechwatch rule files.", argv)
-    if isinstance(paths, int):
-        return paths
-    ruleset = _load(paths, action_validator, detectors)
-    if ruleset is None:
-        return 1
+    description = "Check mechwatch rule files."
+    ruleset = _parse_and_load("mechwatch validate", description, argv, action_validator, detectors)
+    if isinstance(ruleset, int):
+        return ruleset
     summary = (
         f"OK: {_plural(len(ruleset), 'rule')} in {_plural(len(ruleset.groups), 'group')} "
         f"from {_plural(len(ruleset.files), 'file')}"
@@ -82,12 +81,10 @@ def cli_list(
 ) -> int:
     """List loaded rules as a table: file, group, rule, metric, detector, family, severity,
     actions. Returns 1 (after printing the errors) when the files do not load."""
-    paths = _parse("mechwatch rules", "List mechwatch rules.", argv)
-    if isinstance(paths, int):
-        return paths
-    ruleset = _load(paths, action_validator, detectors)
-    if ruleset is None:
-        return 1
+    description = "List mechwatch rules."
+    ruleset = _parse_and_load("mechwatch rules", description, argv, action_validator, detectors)
+    if isinstance(ruleset, int):
+        return ruleset
     header = ("FILE", "GROUP", "RULE", "METRIC", "DETECTOR", "FAMILY", "SEVERITY", "ACTIONS")
     rows = [header]
     for rule in ruleset:

@@ -9,12 +9,20 @@ because the 1.1 rules surprise people who write rule files:
 - dates such as ``2024-01-01`` stay strings; ``null``, ``~`` and an empty value are None.
 
 Duplicate keys in a mapping are errors naming both lines. Line and column numbers are 1-based.
+
+Hostile or runaway input is refused early with a located ``YamlLimitError`` (see ``YamlLimits``):
+a file over ``max_bytes`` is not read past the limit; nesting beyond ``max_depth`` and
+documents that would hold more than ``max_nodes`` keys, values and list items once every alias
+is expanded (the "billion laughs" bomb: a few hundred bytes that expand to hundreds of millions
+of values) are refused while the document is composed, before anything is built, so the cost
+stays proportional to the size of the file.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -35,11 +43,108 @@ _FLOAT = re.compile(
 _MERGE = re.compile(r"^(?:<<)$")
 
 
+@dataclass(frozen=True)
+class YamlLimits:
+    """Bounds on one YAML document; far above any real rule file or agent config."""
+
+    max_bytes: int = 1 << 20  # size of the file, in bytes of UTF-8 (1 MiB)
+    max_depth: int = 64  # lists and mappings nested in one another, aliases expanded
+    max_nodes: int = 100_000  # keys, values and list items, counting each alias use in full
+
+
+YAML_LIMITS = YamlLimits()
+
+
+class YamlSyntaxError(Exception):
+    """The text is not valid YAML (or is empty / not one document)."""
+
+    def __init__(self, line: int, column: int, message: str) -> None:
+        super().__init__(f"{line}:{column}: {message}")
+        self.line = line
+        self.column = column
+        self.message = message
+
+
+class YamlLimitError(YamlSyntaxError):
+    """The text exceeds one of the ``YamlLimits``: ``limit`` names the field, ``value`` is its
+    value."""
+
+    def __init__(self, line: int, column: int, message: str, limit: str, value: int) -> None:
+        super().__init__(line, column, f"{message} (limit {limit}={value})")
+        self.limit = limit
+        self.value = value
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a composed node expands to: its node count and its nesting height."""
+
+    nodes: int  # the node itself and everything below it, aliases expanded
+    height: int  # lists and mappings on the longest path down (0 for a scalar)
+
+
 class RuleYamlLoader(yaml.SafeLoader):
-    """SafeLoader with the YAML 1.2 core schema for plain scalars (see the module docstring)."""
+    """SafeLoader with the YAML 1.2 core schema for plain scalars (see the module docstring)
+    that enforces ``YamlLimits`` while it composes the document."""
 
     # Start from an empty resolver table instead of PyYAML's YAML 1.1 one.
     yaml_implicit_resolvers: dict[str, list[tuple[str, re.Pattern[str]]]] = {}
+
+    def __init__(self, stream: str, limits: YamlLimits = YAML_LIMITS) -> None:
+        super().__init__(stream)
+        self.limits = limits
+        self._depth = 0  # lists and mappings open around the node being composed
+        self._deepest = 0  # the deepest nesting reached inside the node being composed
+        self._nodes = 0  # nodes of the document so far, aliases expanded
+        self._shapes: dict[int, _Shape] = {}  # id(anchored node) -> its expansion
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        mark = event.start_mark
+        if isinstance(event, yaml.AliasEvent):
+            anchored = self.anchors.get(event.anchor)
+            # None: an undefined alias (PyYAML reports it) or one inside its own anchor
+            # (a recursive alias, reported when the document is converted).
+            shape = self._shapes.get(id(anchored)) if anchored is not None else None
+            if shape is not None:
+                self._count(shape.nodes, mark, event.anchor)
+                self._reach(self._depth + shape.height, mark)
+            return super().compose_node(parent, index)
+        start_depth, outer_deepest, nodes_before = self._depth, self._deepest, self._nodes
+        if isinstance(event, yaml.CollectionStartEvent):
+            self._depth += 1
+        self._deepest = self._depth
+        self._reach(self._depth, mark)
+        self._count(1, mark, None)
+        node = super().compose_node(parent, index)
+        if event.anchor is not None:
+            self._shapes[id(node)] = _Shape(self._nodes - nodes_before, self._deepest - start_depth)
+        self._depth, self._deepest = start_depth, max(outer_deepest, self._deepest)
+        return node
+
+    def _count(self, nodes: int, mark: yaml.Mark, alias: str | None) -> None:
+        self._nodes += nodes
+        limit = self.limits.max_nodes
+        if self._nodes > limit:
+            items = f"{limit} keys, values and list items"
+            if alias is None:
+                message = f"too many values: the document holds more than {items}"
+            else:
+                message = f"too many values: alias *{alias} repeats {nodes} values, which takes "
+                message += f"the document past {items}"
+            raise YamlLimitError(*_position(mark), message, "max_nodes", limit)
+
+    def _reach(self, depth: int, mark: yaml.Mark) -> None:
+        self._deepest = max(self._deepest, depth)
+        limit = self.limits.max_depth
+        if depth > limit:
+            raise YamlLimitError(
+                *_position(mark),
+                f"nested too deeply: more than {limit} levels of lists and mappings "
+                "(aliases expanded)",
+                "max_depth",
+                limit,
+            )
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:  # type: ignore[override]
         text = str(self.construct_scalar(node)).replace("_", "")
@@ -76,16 +181,6 @@ RuleYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+
 RuleYamlLoader.add_implicit_resolver("tag:yaml.org,2002:merge", _MERGE, ["<"])
 RuleYamlLoader.add_constructor("tag:yaml.org,2002:int", RuleYamlLoader.construct_yaml_int)
 RuleYamlLoader.add_constructor("tag:yaml.org,2002:float", RuleYamlLoader.construct_yaml_float)
-
-
-class YamlSyntaxError(Exception):
-    """The text is not valid YAML (or is empty / not one document)."""
-
-    def __init__(self, line: int, column: int, message: str) -> None:
-        super().__init__(f"{line}:{column}: {message}")
-        self.line = line
-        self.column = column
-        self.message = message
 
 
 @dataclass
@@ -141,9 +236,38 @@ def _syntax_error(error: yaml.YAMLError) -> YamlSyntaxError:
     return YamlSyntaxError(1, 1, f"invalid YAML: {error}")
 
 
-def parse_located_yaml(text: str) -> LocatedDocument:
-    """Parse one YAML document. Raises YamlSyntaxError for invalid, empty or multi-doc text."""
-    loader = RuleYamlLoader(text)
+def read_yaml_file(path: str | Path, limits: YamlLimits = YAML_LIMITS) -> str:
+    """The text of ``path``, read no further than ``limits.max_bytes`` (a larger file is a
+    YamlLimitError located at the first byte past the limit). OSError and UnicodeDecodeError
+    pass through."""
+    with open(path, "rb") as f:
+        data = f.read(limits.max_bytes + 1)
+    _check_size(data, limits)
+    return data.decode("utf-8")
+
+
+def _check_size(data: bytes, limits: YamlLimits) -> None:
+    limit = limits.max_bytes
+    if len(data) <= limit:
+        return
+    head = data[:limit]
+    line_start = head.rfind(b"\n") + 1
+    column = len(head[line_start:].decode("utf-8", errors="ignore")) + 1
+    raise YamlLimitError(
+        head.count(b"\n") + 1,
+        column,
+        f"file too large: more than {limit} bytes",
+        "max_bytes",
+        limit,
+    )
+
+
+def parse_located_yaml(text: str, limits: YamlLimits = YAML_LIMITS) -> LocatedDocument:
+    """Parse one YAML document. Raises YamlSyntaxError for invalid, empty or multi-doc text,
+    and its subclass YamlLimitError for text beyond ``limits``."""
+    if len(text) > limits.max_bytes // 4:  # else it cannot be over the limit in UTF-8
+        _check_size(text.encode("utf-8", errors="surrogatepass"), limits)
+    loader = RuleYamlLoader(text, limits)
     try:
         root = loader.get_single_node()
         if root is None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agent.testbed.records import monitor_series
+from agent.testbed.metrics_file import monitor_series
 
 Series = tuple[Sequence[int], Sequence[float]]  # (steps, values)
 Side = Literal["below", "above", "either"]

@@ -202,10 +202,13 @@ class MoETransformer(nn.Module):
     def moe_modules(self) -> list[MoEFeedForward]:
         return [block.moe for block in self.blocks]
 
-    def set_attention_fault(self, fault: AttentionFault | None) -> None:
-        """Emulate ``fault`` in every attention backward from the next forward on."""
-        for attn in self.attention_modules():
-            attn.fault = fault
+    def set_attention_fault(
+        self, fault: AttentionFault | None, layers: tuple[int, ...] | None = None
+    ) -> None:
+        """Emulate ``fault`` in the attention backward of ``layers`` (None: every layer) from
+        the next forward on; the other layers get the exact backward."""
+        for i, attn in enumerate(self.attention_modules()):
+            attn.fault = fault if layers is None or i in layers else None
 
     def forward(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         b, t = idx.shape

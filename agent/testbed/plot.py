@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agent import samples as names
 from agent.testbed.divergence import degradation_step, divergence_step, ema
-from agent.testbed.records import monitor_series, read_metrics
+from agent.testbed.metrics_file import monitor_series, read_metrics
 
 
 def plot_run(metrics_path: str | Path, png_path: str | Path, *, title: str = "") -> Path:

@@ -4,8 +4,9 @@ step at a time, and write a JSONL record per step plus a summary.
 ``TestbedRun`` is the training loop itself, one optimizer step per ``step()`` call, so that an
 agent can sit inside it (it exposes ``model``, ``optimizer``, ``scheduler``, ``step_index`` and
 ``last_loss``). ``run_scenario`` drives it to the end and writes ``metrics.jsonl`` (one record
-per step; every ``monitor_every`` steps the record carries the monitors), ``summary.json``
-and, on request, ``plot.png``.
+per step; every ``monitor_every`` steps the record carries the samples the agent's own
+measurement pipeline took, ``agent.testbed.recorder``), ``summary.json`` and, on request,
+``plot.png``.
 
 Faults follow the step index: at the start of every step the run switches each fault on or
 off according to ``step_index >= fault_start``, so a rollback to a checkpoint from before the
@@ -54,12 +55,9 @@ class TestbedRun:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             self.model = MoETransformer(config.model).to(self.device)
-        self.source = MarkovSource(
-            config.model.vocab,
-            config.data_seed,
-            order=config.markov_order,
-            pool=config.markov_pool,
-            branching=config.markov_branching,
+        self.source = _markov(config, config.data_seed)
+        self.shifted_source = (
+            _markov(config, config.shift_data_seed) if config.shift_step is not None else None
         )
         self.generator = torch.Generator().manual_seed(config.seed)
         router_params = [m.gate.weight for m in self.model.moe_modules()]
@@ -81,7 +79,7 @@ class TestbedRun:
         self.last_loss: Tensor | None = None  # () cross-entropy of the last step, nats
         self.last_aux_loss: Tensor | None = None  # () weighted balancing + z-loss
         self.last_grad_norm: Tensor | None = None  # () global grad norm before clipping
-        self.last_monitors: dict[str, dict[str, Any]] | None = None
+        self.last_samples: list[list[Any]] | None = None  # [step, metric, labels, value] rows
         self.fa_fault_active = False
         self.router_fault_active = False
 
@@ -96,15 +94,16 @@ class TestbedRun:
             warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
             if cfg.has_router_fault and self._fault_on(step):
                 warm *= cfg.lr_mult * (cfg.router_lr_mult if router else 1.0)
-            return warm
+            return warm * cfg.lr_factor(step)
 
         return factor
 
     def _sync_faults(self) -> None:
         on = self._fault_on(self.step_index)
-        fa_on = on and self.config.has_fa_fault
+        fa_on = self.config.fa_faulty(self.step_index)
         if fa_on != self.fa_fault_active:
-            self.model.set_attention_fault(self.config.attention_fault() if fa_on else None)
+            fault = self.config.attention_fault() if fa_on else None
+            self.model.set_attention_fault(fault, layers=self.config.fa_layers)
             self.fa_fault_active = fa_on
         router_on = on and self.config.has_router_fault
         if router_on != self.router_fault_active:
@@ -130,9 +129,7 @@ class TestbedRun:
         """One optimizer step; returns the step's cross-entropy loss (a 0-dim tensor)."""
         self._sync_faults()
         step = self.step_index
-        self.recorder.before_step(step)
-        batch = self.source.batch(self.batch_size, self.config.model.seq_len, self.generator)
-        batch = batch.to(self.device)
+        batch = self._batch(step).to(self.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         logits, aux = self.model(inputs)  # (B, T, V), ()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -142,12 +139,24 @@ class TestbedRun:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.last_monitors = self.recorder.after_step(step)
+        self.last_samples = self.recorder.after_step(step)
         self.last_loss = loss.detach()
         self.last_aux_loss = aux.detach()
         self.last_grad_norm = grad_norm.detach()
         self.step_index += 1
         return self.last_loss
+
+    def _batch(self, step: int) -> Tensor:
+        """(B, T+1) tokens; after ``shift_step`` the first ``shift_fraction`` of the sequences
+        come from the other chain."""
+        cfg, n = self.config, self.batch_size
+        if self.shifted_source is None or step < (cfg.shift_step or 0):
+            return self.source.batch(n, cfg.model.seq_len, self.generator)
+        shifted = max(1, round(cfg.shift_fraction * n))
+        parts = [self.shifted_source.batch(shifted, cfg.model.seq_len, self.generator)]
+        if shifted < n:
+            parts.append(self.source.batch(n - shifted, cfg.model.seq_len, self.generator))
+        return torch.cat(parts)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this run exactly: weights, optimizer, schedule, step and
@@ -188,9 +197,19 @@ class TestbedRun:
             "fa_fault": self.fa_fault_active,
             "router_fault": self.router_fault_active,
         }
-        if self.last_monitors is not None:
-            rec["monitors"] = self.last_monitors
+        if self.last_samples is not None:
+            rec["samples"] = self.last_samples
         return rec
+
+
+def _markov(config: ScenarioConfig, seed: int) -> MarkovSource:
+    return MarkovSource(
+        config.model.vocab,
+        seed,
+        order=config.markov_order,
+        pool=config.markov_pool,
+        branching=config.markov_branching,
+    )
 
 
 @dataclass
@@ -227,8 +246,9 @@ def run_scenario(
 
     Each JSONL record: step, loss (cross-entropy, nats), aux_loss, grad_norm (before clipping),
     weight_norm, lr and lr_router (used in that step), batch_size, fa_fault, router_fault, and
-    on cadence steps ``monitors`` = {metric: {module name: value or per-head list}} with the
-    metric names of ``agent.samples``. ``progress_every > 0`` prints a line every so many steps.
+    on cadence steps ``samples`` = [[step, metric, {label: value}, value], ...]: the agent's
+    own measurements (metric names of ``agent.samples``), as in the event log's ``metrics``.
+    ``progress_every > 0`` prints a line every so many steps.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,6 +271,7 @@ def run_scenario(
                 nonfinite = rec["step"]
                 if stop_on_nonfinite:
                     break
+    run.recorder.close()
     wall = time.perf_counter() - start
     smooth = ema(losses)
     finite_smooth = [v for v in smooth if math.isfinite(v)] or [math.nan]

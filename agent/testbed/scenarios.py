@@ -13,6 +13,17 @@ before it, so a run has a healthy start):
   balancing loss weight becomes ``fault_balance_coef``.
 - ``combined``: both faults at once.
 
+Benign disturbances, on any scenario (healthy change the agent must not take for a fault):
+``shift_step`` (from then on ``shift_fraction`` of each batch's sequences come from another
+Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one), ``lr_change_step``
+(every learning rate times ``lr_change_mult`` from then on), and the usual knobs (a longer
+``warmup_steps``, a lower ``lr``, a bigger ``model``, GQA through ``model.n_kv_heads``).
+
+Shapes of the FA fault: ``fa_layers`` (only these attention layers; None = all) and
+``fa_ramp_steps`` (the share of faulty steps grows linearly from 0 at ``fault_start`` to 1 at
+``fault_start + fa_ramp_steps``; which steps are faulty follows a fixed low-discrepancy
+sequence of the step index, so a rollback replays the same ones).
+
 ``ScenarioConfig.preset(name, seed=..., steps=...)`` returns the documented defaults
 (docs/testbed.md has the measurements behind them); ``scale="tiny"`` gives a shortened
 version (a smaller model, 400 steps, fault at 150, a stronger FA knob because the run is
@@ -71,6 +82,24 @@ class ScenarioConfig(BaseModel):
     fault_balance_coef: float | None = Field(
         None, ge=0, description="balancing loss weight under the fault (None = unchanged)"
     )
+    fa_layers: tuple[int, ...] | None = Field(
+        None, description="attention layers the FA fault rounds in (None = every layer)"
+    )
+    fa_ramp_steps: int = Field(
+        0, ge=0, description="steps over which the share of faulty steps grows to 1 (0 = at once)"
+    )
+    # --- benign disturbances
+    shift_step: int | None = Field(
+        None, ge=0, description="first step whose batches come (in part) from another chain"
+    )
+    shift_data_seed: int = Field(4321, description="seed of the chain the data shifts to")
+    shift_fraction: float = Field(
+        1.0, gt=0, le=1, description="share of each batch's sequences from the other chain"
+    )
+    lr_change_step: int | None = Field(
+        None, ge=0, description="first step at which every LR is multiplied by lr_change_mult"
+    )
+    lr_change_mult: float = Field(1.0, gt=0, description="the LR multiplier from lr_change_step")
 
     @model_validator(mode="after")
     def _check(self) -> ScenarioConfig:
@@ -84,6 +113,12 @@ class ScenarioConfig(BaseModel):
                 "(unbiased rounding is the 'control' scenario)"
             )
         AttentionFault(sites=self.fa_sites, bits=self.fa_bits, mode=self.fa_mode)  # validates
+        if self.fa_layers is not None and not all(
+            0 <= i < self.model.n_layers for i in self.fa_layers
+        ):
+            raise ValueError(
+                f"fa_layers {self.fa_layers} must be layer indices in 0..{self.model.n_layers - 1}"
+            )
         if self.markov_branching > self.markov_pool:
             raise ValueError(
                 f"markov_branching ({self.markov_branching}) must be <= markov_pool "
@@ -101,6 +136,20 @@ class ScenarioConfig(BaseModel):
 
     def attention_fault(self) -> AttentionFault:
         return AttentionFault(sites=self.fa_sites, bits=self.fa_bits, mode=self.fa_mode)
+
+    def fa_faulty(self, step: int) -> bool:
+        """Whether the FA fault rounds the backward of ``step`` (its scenario has one)."""
+        if not self.has_fa_fault or step < self.fault_start:
+            return False
+        if self.fa_ramp_steps == 0:
+            return True
+        share = min(1.0, (step - self.fault_start + 1) / self.fa_ramp_steps)
+        return ((step + 1) * _GOLDEN) % 1.0 < share  # evenly spread faulty steps
+
+    def lr_factor(self, step: int) -> float:
+        """The benign LR change's factor at ``step`` (1 before ``lr_change_step``)."""
+        changed = self.lr_change_step is not None and step >= self.lr_change_step
+        return self.lr_change_mult if changed else 1.0
 
     @classmethod
     def preset(
@@ -126,6 +175,8 @@ class ScenarioConfig(BaseModel):
             fields["steps"] = steps
         return cls(scenario=name, **fields)
 
+
+_GOLDEN = 0.6180339887498949  # (sqrt(5) - 1) / 2: the faulty steps of a ramp, evenly spread
 
 # Fault knobs of each preset; everything else is the ScenarioConfig default.
 _FA_KNOBS: dict[str, Any] = {"fa_sites": ("dS",), "fa_bits": 6, "fa_mode": "floor"}

@@ -1,4 +1,4 @@
-"""Reading a run's metrics.jsonl back: records and per-module monitor series."""
+"""Reading a test-bed run's metrics.jsonl back: records and per-module monitor series."""
 
 from __future__ import annotations
 
@@ -24,14 +24,20 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 def monitor_series(
     records: list[dict[str, Any]], metric: str, *, reduce: str = "mean"
 ) -> dict[str, tuple[list[int], list[float]]]:
-    """{module name: (steps, values)} of ``metric``; per-head lists reduced by mean/min/max."""
+    """{module name: (steps, values)} of ``metric`` from the records' ``samples``: the module is
+    the sample's ``layer`` or ``router`` label; per-head values are reduced by mean/min/max."""
     reducers = {"mean": lambda v: sum(v) / len(v), "min": min, "max": max}
     if reduce not in reducers:
         raise ValueError(f"reduce must be one of {sorted(reducers)}, got {reduce!r}")
-    out: dict[str, tuple[list[int], list[float]]] = {}
+    grouped: dict[str, dict[int, list[float]]] = {}
     for rec in records:
-        for module, value in rec.get("monitors", {}).get(metric, {}).items():
-            steps, values = out.setdefault(module, ([], []))
-            steps.append(rec["step"])
-            values.append(reducers[reduce](value) if isinstance(value, list) else value)
+        for step, name, labels, value in rec.get("samples", []):
+            if name != metric:
+                continue
+            module = labels.get("layer", labels.get("router", ""))
+            grouped.setdefault(module, {}).setdefault(step, []).append(value)
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for module, by_step in grouped.items():
+        steps = sorted(by_step)
+        out[module] = (steps, [reducers[reduce](by_step[s]) for s in steps])
     return out
