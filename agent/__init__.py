@@ -6,23 +6,13 @@ as ``agent.detectors`` stay torch-free).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from agent.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
-__all__ = ["Agent", "AgentConfig"]
+__all__, __getattr__ = lazy_exports(__name__, {"Agent": ".agent", "AgentConfig": ".config"})
 
 if TYPE_CHECKING:
-    from agent.agent import Agent
-    from agent.config import AgentConfig
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Agent":
-        from agent.agent import Agent
-
-        return Agent
-    if name == "AgentConfig":
-        from agent.config import AgentConfig
-
-        return AgentConfig
-    raise AttributeError(f"module 'agent' has no attribute {name!r}")
+    from agent.agent import Agent as Agent
+    from agent.config import AgentConfig as AgentConfig

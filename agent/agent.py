@@ -252,7 +252,7 @@ class Agent:
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             checked = check_scalar(name, value)
             if checked.problem is not None:
-                self.failures.report("agent.step", checked.problem)
+                self.failures.report("agent.step", checked.problem, outcome="the run goes on")
             values[name] = checked.value
         self._last_step = step
         self._guarded(

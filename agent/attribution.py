@@ -8,6 +8,16 @@ Which families fire decides the attribution:
     both mechanism families               -> combined
     symptom evidence only (loss, NaN...)  -> unattributed
 
+Causal order: a mechanism's evidence that begins (its onset) at or after the incident's
+systemic change began is a *consequence*, kept as evidence but not a cause. Systemic evidence is
+symptom evidence that the whole run changed: the loss got worse (spike, rise, non-finite) or
+every update of a block collapsed at once (``control_update_entropy``: the differential
+diagnosis of DESIGN.md 1c: a biased attention backward moves only Q and K). So a router
+collapse that follows the damage of an attention fault leaves the incident ``fa_precision``
+(``combined`` means both mechanisms started on their own), and a QK collapse while the model
+relearns after a data shift leaves it ``unattributed``. Evidence of a family that is already a
+cause of the incident is a cause too.
+
 An incident opens when the first alert fires, collects evidence as more alerts fire (an
 unattributed incident is upgraded when mechanism evidence arrives; fa_precision or
 router_instability becomes combined when the other family joins), and resolves when none of its
@@ -25,11 +35,14 @@ corroborate; ``combined`` takes the smaller of its two families; ``unattributed`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
 
 MECHANISM_FAMILIES = ("fa_precision", "router_instability")
+# Symptom evidence that the whole run changed (see the module docstring).
+SYSTEMIC_METRICS = frozenset({"loss", "loss_nonfinite", "control_update_entropy"})
 _SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
 
@@ -67,6 +80,30 @@ def confidence(evidence: list[Evidence], monitored: set[str]) -> float:
         return min(_family_confidence(by_family[f], symptoms, False) for f in MECHANISM_FAMILIES)
     other = next(f for f in MECHANISM_FAMILIES if f != family)
     return _family_confidence(by_family[family], symptoms, other in monitored)
+
+
+def _causes(evidence: Any) -> set[str]:
+    """The families of the evidence that is not a consequence."""
+    return {e.family for e in evidence if not e.consequence}
+
+
+def _damage_onset(evidence: list[Evidence]) -> int | None:
+    """When the incident's systemic change began: the earliest onset (else firing step) of its
+    systemic evidence; None without any."""
+    steps = [
+        e.onset_step if e.onset_step is not None else e.fired_step
+        for e in evidence
+        if e.family == "symptom" and e.metric in SYSTEMIC_METRICS
+    ]
+    return min(steps, default=None)
+
+
+def _after_damage(e: Evidence, damage: int | None) -> bool:
+    """Mechanism evidence that began at or after the systemic change began."""
+    if damage is None or e.family not in MECHANISM_FAMILIES:
+        return False
+    began = e.onset_step if e.onset_step is not None else e.fired_step
+    return began >= damage
 
 
 class Attributor:
@@ -145,19 +182,28 @@ class Attributor:
         incident = self.open
         assert incident is not None
         current = {(e.rule, tuple(sorted(e.labels.items()))): e for e in incident.evidence}
+        damage = _damage_onset([*incident.evidence, *firing])
         for e in firing:
-            current[(e.rule, tuple(sorted(e.labels.items())))] = e
+            key = (e.rule, tuple(sorted(e.labels.items())))
+            old = current.get(key)
+            causes = _causes(current.values())
+            if (old is not None and old.consequence) or (
+                old is None and _after_damage(e, damage) and e.family not in causes
+            ):
+                e = dataclasses.replace(e, consequence=True)
+            current[key] = e
         incident.evidence = list(current.values())
         # Evidence accumulates while the incident is open, so the family can only be upgraded
         # (unattributed -> a mechanism -> combined), never downgraded.
-        incident.family = classify({e.family for e in incident.evidence})
+        incident.family = classify(_causes(incident.evidence))
         incident.severity = max(
             (e.severity for e in incident.evidence), key=lambda s: _SEVERITY_ORDER.get(s, 0)
         )
-        incident.confidence = round(confidence(incident.evidence, self.monitored), 4)
+        causal = [e for e in incident.evidence if not e.consequence]
+        incident.confidence = round(confidence(causal, self.monitored), 4)
         relevant = [
             e
-            for e in incident.evidence
+            for e in causal
             if e.onset_step is not None
             and (incident.family == "unattributed" or e.family in MECHANISM_FAMILIES)
         ]

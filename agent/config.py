@@ -35,6 +35,12 @@ class QKMonitorConfig(_Strict):
         ge=1,
         description="query heads measured per layer and evaluation (rotating); None: all",
     )
+    controls: int = Field(
+        4,
+        ge=0,
+        description="control matrices per attention layer (values, output projection, MLP: "
+        "agent/discovery/controls.py), measured like Q/K for the differential diagnosis; 0: none",
+    )
     snapshot_device: str | None = Field(
         None, description="where snapshots live: None (next to the weights) or 'cpu'"
     )

@@ -33,13 +33,14 @@ class FailureLog:
     def exception(self, what: str, exc: BaseException) -> None:
         self.report(what, f"{type(exc).__name__}: {exc}")
 
-    def report(self, what: str, text: str) -> None:
-        """Warn once per (part, first line of the message) and record it in the event log."""
+    def report(self, what: str, text: str, *, outcome: str = "the agent skips this part") -> None:
+        """Warn once per (part, first line of the message) and record it in the event log;
+        ``outcome`` says what the agent does about it."""
         key = f"{what}: {text.splitlines()[0] if text else ''}"
         if key in self._reported:
             return
         self._reported.add(key)
-        warnings.warn(f"mechwatch: {key} (reported once; the agent skips this part)", stacklevel=3)
+        warnings.warn(f"mechwatch: {key} (reported once; {outcome})", stacklevel=3)
         self.write("error", self._step(), what=what, error=text)
 
     def write(self, kind: str, step: int, **payload: Any) -> None:

@@ -36,6 +36,9 @@ class Evidence:
     trend: str | None = None  # "falling", "rising" or None
     summary: str = ""
     suggest: str = ""
+    # True when this evidence began after the incident had already damaged the loss: a
+    # consequence of the fault, not a second cause (agent/attribution.py)
+    consequence: bool = False
 
 
 @dataclass

@@ -32,6 +32,7 @@ import torch
 
 from agent import samples as m
 from agent.discovery import AttentionSite, RouterSite
+from agent.discovery.controls import find_controls
 from agent.probes import QKJob, QKSnapshots, RouterProbe, compute_qk_samples
 from agent.samples import Sample
 from agent.step_inputs import Scalar
@@ -82,6 +83,10 @@ class Measurements:
             layers_per_eval=qk.layers_per_eval,
             heads_per_layer=qk.heads_per_layer,
             device=qk.snapshot_device,
+            controls={
+                site.name: find_controls(model, site, router_sites, qk.controls)
+                for site in attention_sites
+            },
         )
         self._loss: list[tuple[int, Scalar]] = []
         self._grad: list[tuple[int, Scalar]] = []

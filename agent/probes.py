@@ -5,9 +5,12 @@ running sums (entropy, p10, margin, expert load); nothing is kept, nothing is co
 host. ``read()`` turns the sums into samples with one host transfer for all routers, every
 ``router_every`` steps.
 
-``QKSnapshots``: every ``delta`` steps, fp32 copies of the Q/K projection weights of the
-layers sampled for the next evaluation; the increment between two consecutive snapshots of a
-layer is measured off the training thread by ``compute_qk_samples``.
+``QKSnapshots``: every ``delta`` steps, fp32 copies of the Q/K projection weights (and of the
+layer's control matrices, ``agent.discovery.controls``) of the layers sampled for the next
+evaluation; the increment between two consecutive snapshots of a layer is measured off the
+training thread by ``compute_qk_samples``: the QK spectra per head, the persistence of Delta_2's
+top direction since the layer's previous evaluation, ||W_k|| per KV head, and the update
+entropy and relative size of each control matrix.
 
 Layer and head sampling (for very deep or wide models): each evaluation covers
 ``layers_per_eval`` layers (a rotating window over all attention layers) and, in each,
@@ -26,7 +29,9 @@ import torch
 
 from agent import samples as m
 from agent.discovery import AttentionSite, RouterSite
+from agent.discovery.controls import control_label
 from agent.monitors import (
+    qk_delta2_direction,
     qk_increment_spectrum,
     qk_monitor_spectra,
     router_conditioning_ratio,
@@ -140,13 +145,20 @@ class QKJob:
     previous: dict[str, torch.Tensor]  # fp32 snapshot at step - delta
     current: dict[str, torch.Tensor]  # fp32 snapshot at step
     heads: list[int]  # query heads to measure
+    controls: dict[str, str] = field(default_factory=dict)  # parameter name -> "param" label
+    # (layer, head) -> Delta_2's top direction (d,) at the head's previous evaluation; updated
+    # by compute_qk_samples (jobs of one layer run in order on the one monitor thread)
+    directions: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
     ready: torch.cuda.Event | None = field(default=None, repr=False)  # copies done (CUDA)
 
 
-def _snapshot(site: AttentionSite, device: str | None) -> dict[str, torch.Tensor]:
-    """fp32 copies of the layer's Q/K parameters (the only work on the training thread)."""
+def _snapshot(
+    site: AttentionSite, device: str | None, controls: dict[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """fp32 copies of the layer's Q/K and control parameters (the only work on the training
+    thread)."""
     out = {}
-    for name, p in site.parameters_to_snapshot().items():
+    for name, p in {**site.parameters_to_snapshot(), **controls}.items():
         target = p.device if device is None else torch.device(device)
         non_blocking = p.is_cuda and target.type == "cpu"
         out[name] = (
@@ -166,10 +178,13 @@ class QKSnapshots:
         layers_per_eval: int | None = None,
         heads_per_layer: int | None = None,
         device: str | None = None,
+        controls: dict[str, dict[str, torch.nn.Parameter]] | None = None,
     ) -> None:
         if delta < 1:
             raise ValueError(f"delta must be >= 1 step, got {delta}")
         self.sites = sites
+        self.controls = controls or {}  # site name -> {parameter name: parameter}
+        self.directions: dict[tuple[str, int], torch.Tensor] = {}
         self.delta = delta
         self.layers_per_eval = min(layers_per_eval or len(sites), len(sites))
         self.heads_per_layer = heads_per_layer
@@ -188,6 +203,10 @@ class QKSnapshots:
         self._previous.clear()
         self._previous_step = None
         self._planned = []
+        self.directions.clear()
+
+    def _snapshot(self, site: AttentionSite) -> dict[str, torch.Tensor]:
+        return _snapshot(site, self.device, self.controls.get(site.name, {}))
 
     def _plan(self) -> list[AttentionSite]:
         n = len(self.sites)
@@ -209,17 +228,20 @@ class QKSnapshots:
         current: dict[str, dict[str, torch.Tensor]] = {}
         if self._previous_step is not None and step - self._previous_step == self.delta:
             for site in self._planned:
-                current[site.name] = _snapshot(site, self.device)
+                current[site.name] = self._snapshot(site)
+                labels = {
+                    name: control_label(site, name) for name in self.controls.get(site.name, {})
+                }
+                previous = self._previous[site.name]
+                heads = self._heads(site)
                 jobs.append(
-                    QKJob(
-                        step, site, self._previous[site.name], current[site.name], self._heads(site)
-                    )
+                    QKJob(step, site, previous, current[site.name], heads, labels, self.directions)
                 )
             self._evaluation += 1
         # Plan the next evaluation and take its "previous" snapshots now.
         self._planned = self._plan()
         self._previous = {
-            site.name: current[site.name] if site.name in current else _snapshot(site, self.device)
+            site.name: current[site.name] if site.name in current else self._snapshot(site)
             for site in self._planned
         }
         self._previous_step = step
@@ -258,16 +280,50 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
             per_head[m.QK_DELTA2_FROBENIUS] = stats.frobenius.tolist()
     per_head[m.DWQ_ENTROPY] = spectrum_stats(dwq, shape=(d, dh)).entropy.tolist()
     per_head[m.WQ_SPECTRAL_NORM] = wq_norm.tolist()
+    per_head[m.QK_DELTA2_PERSISTENCE] = _persistence(job, wq0, wk0, wq1, wk1)
     out: list[Sample] = []
     for metric, values in per_head.items():
         for h, value in zip(heads, values, strict=True):
+            if metric == m.QK_DELTA2_PERSISTENCE and math.isnan(value):
+                continue  # the head's first evaluation: no earlier direction to compare with
             out.append(Sample.make(job.step, metric, value, layer=site.name, head=h))
-    # dW_k once per KV head: the first selected query head of each group carries it.
+    # dW_k and ||W_k|| once per KV head: the first selected query head of each group carries it.
     dwk_entropy = spectrum_stats(dwk, shape=(d, dh)).entropy.tolist()
+    wk_norm = torch.linalg.matrix_norm(wk1, ord=2).tolist()
     seen: set[int] = set()
-    for h, value in zip(heads, dwk_entropy, strict=True):
+    for i, h in enumerate(heads):
         g = site.kv_head(h)
         if g not in seen:
             seen.add(g)
-            out.append(Sample.make(job.step, m.DWK_ENTROPY, value, layer=site.name, kv_head=g))
+            labels = {"layer": site.name, "kv_head": g}
+            out.append(Sample.make(job.step, m.DWK_ENTROPY, dwk_entropy[i], **labels))
+            out.append(Sample.make(job.step, m.WK_SPECTRAL_NORM, wk_norm[i], **labels))
+    return out + _control_samples(job)
+
+
+def _persistence(
+    job: QKJob, wq0: torch.Tensor, wk0: torch.Tensor, wq1: torch.Tensor, wk1: torch.Tensor
+) -> list[float]:
+    """|cos| between each head's Delta_2 top direction now and at its previous evaluation
+    (NaN at a head's first evaluation)."""
+    now = qk_delta2_direction(wq0, wk0, wq1, wk1)  # (n, d) unit (or zero) vectors
+    out = []
+    for i, h in enumerate(job.heads):
+        key = (job.site.name, h)
+        before = job.directions.get(key)
+        out.append(math.nan if before is None else abs(float(now[i] @ before)))
+        job.directions[key] = now[i]
+    return out
+
+
+def _control_samples(job: QKJob) -> list[Sample]:
+    """Update entropy and relative size of each control matrix over the job's delta steps."""
+    out = []
+    for name, label in job.controls.items():
+        w0, w1 = job.previous[name].float(), job.current[name].float()  # (m, n)
+        stats = spectrum_stats(update_spectrum(w0, w1), shape=tuple(w0.shape))
+        size = torch.linalg.matrix_norm(w1 - w0) / torch.linalg.matrix_norm(w0).clamp_min(1e-30)
+        labels = {"layer": job.site.name, "param": label}
+        out.append(Sample.make(job.step, m.CONTROL_UPDATE_ENTROPY, float(stats.entropy), **labels))
+        out.append(Sample.make(job.step, m.CONTROL_UPDATE_REL_NORM, float(size), **labels))
     return out

@@ -15,6 +15,14 @@ QK_DELTA2_FROBENIUS = "qk_delta2_frobenius"
 DWQ_ENTROPY = "dwq_entropy"  # H(dW_q^h), per layer and head
 DWK_ENTROPY = "dwk_entropy"  # H(dW_k^g), per layer and KV head
 WQ_SPECTRAL_NORM = "wq_spectral_norm"  # ||W_q^h||_2, per layer and head
+WK_SPECTRAL_NORM = "wk_spectral_norm"  # ||W_k^g||_2, per layer and KV head
+# |cos| between the top left singular vectors of Delta_2 at two successive evaluations of a
+# head (1: the update keeps pushing one direction), per layer and head
+QK_DELTA2_PERSISTENCE = "qk_delta2_persistence"
+# Controls (agent/discovery/controls.py): other matrices of the same block (values, output
+# projection, MLP), their update over the same delta steps; labels layer and param
+CONTROL_UPDATE_ENTROPY = "control_update_entropy"  # H(dW) of a control matrix
+CONTROL_UPDATE_REL_NORM = "control_update_rel_norm"  # ||dW||_F / ||W||_F of a control matrix
 ROUTER_ENTROPY = "router_entropy"  # mean per-token routing entropy (nats), per router
 ROUTER_ENTROPY_NORM = "router_entropy_norm"  # mean entropy / ln E
 ROUTER_ENTROPY_P10 = "router_entropy_p10"  # 10th percentile of per-token entropy (nats)

@@ -8,31 +8,25 @@ stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from agent.lazy_exports import lazy_exports
 
-_EXPORTS = {
-    "attention_precision": "remediations.attention",
-    "AttentionPrecisionSwitch": "remediations.attention",
-    "scaled_dot_product_attention": "remediations.attention",
-    "fp32_backward_attention": "remediations.attention",
-    "install_hf_attention": "remediations.hf_attention",
-    "LRControl": "remediations.lr",
-    "TrainingHalted": "remediations.halt",
-    "HyperparameterRequests": "remediations.hparams",
-    "ACTIONS": "remediations.registry",
-    "register_action": "remediations.registry",
-    "register_callable": "remediations.registry",
-    "validate_action": "remediations.registry",
-    "ActionRunner": "remediations.runner",
-    "ActionResult": "remediations.runner",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'remediations' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+# Public name -> submodule of remediations that defines it.
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "attention_precision": ".attention_switch",
+        "AttentionPrecisionSwitch": ".attention_switch",
+        "scaled_dot_product_attention": ".fp32_attention",
+        "fp32_backward_attention": ".fp32_attention",
+        "install_hf_attention": ".hf_attention",
+        "LRControl": ".lr",
+        "TrainingHalted": ".halt",
+        "HyperparameterRequests": ".hparams",
+        "ACTIONS": ".registry",
+        "register_action": ".registry",
+        "register_callable": ".registry",
+        "validate_action": ".registry",
+        "ActionRunner": ".runner",
+        "ActionResult": ".runner",
+    },
+)

@@ -24,12 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from remediations.attention import (
-    AttentionKernel,
-    AttentionPrecisionSwitch,
-    attention_precision,
-    scaled_dot_product_attention,
-)
+from remediations.attention_switch import AttentionPrecisionSwitch, attention_precision
+from remediations.fp32_attention import AttentionKernel, scaled_dot_product_attention
 
 HF_ATTENTION_NAME = "mechwatch_fp32_backward"
 

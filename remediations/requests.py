@@ -24,7 +24,8 @@ agent saves with its state, so they survive restarts and rollbacks; actions reac
 from __future__ import annotations
 
 import math
-from typing import Literal
+from abc import abstractmethod
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -85,6 +86,8 @@ class RequestHparam(Action):
     Params = RequestHparamParams
 
     def _params(self, params: ActionParams) -> RequestHparamParams:
+        if isinstance(params, _ShortcutParams):
+            return params.request()
         assert isinstance(params, RequestHparamParams)
         return params
 
@@ -104,17 +107,43 @@ class RequestHparam(Action):
         return ActionOutcome(detail, {p.name: current}, {p.name: value})
 
 
-class RaiseBalanceCoefParams(ActionParams):
+class _ShortcutParams(ActionParams):
+    """Parameters of a fixed-purpose shortcut: ``request()`` is the equivalent request."""
+
     model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
 
+    @abstractmethod
+    def request(self) -> RequestHparamParams: ...
+
+
+def _loop_name(default: str) -> Any:
+    """A shortcut's ``name`` field: the hyper-parameter it requests, as the loop reads it."""
+    return Field(default, pattern=HPARAM_NAME.pattern, description="the name the loop reads")
+
+
+class RaiseBalanceCoefParams(_ShortcutParams):
     factor: float = Field(2.0, gt=1.0, description="multiply the balancing-loss coefficient")
     max: float = Field(1.0, gt=0.0, description="cap")
     min: float = Field(
         0.0, ge=0.0, description="request at least this (a coefficient of 0 times a factor is 0)"
     )
-    name: str = Field(
-        BALANCE_COEF, pattern=HPARAM_NAME.pattern, description="the name the loop reads"
-    )
+    name: str = _loop_name(BALANCE_COEF)
+
+    def request(self) -> RequestHparamParams:
+        return RequestHparamParams(
+            name=self.name, value=self.factor, max=self.max, min=self.min or None
+        )
+
+
+class RaiseGradAccumParams(_ShortcutParams):
+    factor: float = Field(2.0, gt=1.0, description="multiply the gradient accumulation steps")
+    max: int = Field(64, ge=1, description="cap")
+    name: str = _loop_name(GRAD_ACCUM)
+
+    def request(self) -> RequestHparamParams:
+        return RequestHparamParams(
+            name=self.name, value=self.factor, max=float(self.max), integer=True
+        )
 
 
 class RaiseBalanceCoef(RequestHparam):
@@ -123,31 +152,9 @@ class RaiseBalanceCoef(RequestHparam):
     name = "raise_balance_coef"
     Params = RaiseBalanceCoefParams
 
-    def _params(self, params: ActionParams) -> RequestHparamParams:
-        assert isinstance(params, RaiseBalanceCoefParams)
-        return RequestHparamParams(
-            name=params.name, value=params.factor, max=params.max, min=params.min or None
-        )
-
-
-class RaiseGradAccumParams(ActionParams):
-    model_config = ConfigDict(strict=True)  # YAML "0.5" is not a number
-
-    factor: float = Field(2.0, gt=1.0, description="multiply the gradient accumulation steps")
-    max: int = Field(64, ge=1, description="cap")
-    name: str = Field(
-        GRAD_ACCUM, pattern=HPARAM_NAME.pattern, description="the name the loop reads"
-    )
-
 
 class RaiseGradAccum(RequestHparam):
     """Multiply the gradient accumulation (global batch); the loop reads ``grad_accum_steps``."""
 
     name = "raise_grad_accum"
     Params = RaiseGradAccumParams
-
-    def _params(self, params: ActionParams) -> RequestHparamParams:
-        assert isinstance(params, RaiseGradAccumParams)
-        return RequestHparamParams(
-            name=params.name, value=params.factor, max=float(params.max), integer=True
-        )

@@ -94,3 +94,50 @@ def test_state_round_trip_keeps_open_incident_without_repage():
     other.load_state_dict(state)
     assert other.update(30, [fa]) == []
     assert other.open is not None and other.open.id == att.open.id
+
+
+def _loss(rule: str, onset: int) -> Evidence:
+    return Evidence(
+        rule=rule,
+        metric="loss",
+        labels={},
+        family="symptom",
+        severity="warning",
+        value=3.0,
+        baseline=2.0,
+        onset_step=onset,
+        fired_step=onset + 20,
+    )
+
+
+def test_a_collapse_after_the_loss_damage_is_a_consequence_not_combined():
+    att = Attributor(RunContext(run_name="r"))
+    fa = _alert("qk", "fa_precision", onset=500)
+    att.update(550, [fa])
+    att.update(900, [fa, _loss("loss_rise", onset=850)])  # the fault damaged the loss
+    router = _alert("router", "router_instability", onset=950, layer="g0")
+    events = att.update(1000, [fa, _loss("loss_rise", onset=850), router])
+    inc = att.open
+    assert inc.family == "fa_precision" and [e.kind for e in events] == ["updated"]
+    consequence = {e.rule: e.consequence for e in inc.evidence}
+    assert consequence == {"qk": False, "loss_rise": False, "router": True}
+    assert inc.onset_step == 500
+    # The consequence stays one while it keeps firing.
+    assert att.update(1100, [fa, router]) == [] and att.open.family == "fa_precision"
+
+
+def test_two_mechanisms_that_began_before_any_loss_damage_are_combined():
+    att = Attributor(RunContext(run_name="r"))
+    fa = _alert("qk", "fa_precision", onset=500)
+    router = _alert("router", "router_instability", onset=520, layer="g0")
+    att.update(550, [fa])
+    events = att.update(575, [fa, router, _loss("loss_rise", onset=560)])
+    assert [e.kind for e in events] == ["escalated"] and att.open.family == "combined"
+
+
+def test_a_qk_collapse_while_the_model_relearns_after_a_loss_jump_stays_unattributed():
+    att = Attributor(RunContext(run_name="r"))
+    att.update(910, [_loss("loss_spike", onset=900)])  # a data shift: the loss jumps first
+    events = att.update(950, [_loss("loss_spike", onset=900), _alert("qk", "fa_precision", 925)])
+    assert att.open.family == "unattributed" and [e.kind for e in events] == ["updated"]
+    assert att.open.quiet_families == ["router_instability"]

@@ -36,18 +36,33 @@ from agent.detectors.signals import (
 )
 
 # Parameters a type cannot do without (everything else is left at its default).
-REQUIRED = {"threshold": {"below": 0.8}}
+REQUIRED = {
+    "threshold": {"below": 0.8},
+    "log_cusum": {"k": 0.02, "h": 0.5, "floor": 0.05},
+    "ema_rise": {"direction": "falling", "span": 5, "margin": 0.2},
+}
 # 120 noise values around 1.0, then a ramp down: every built-in fires in the second part.
 SERIES = noise_series(120, level=1.0, noise=0.05, seed=11) + ramp_series(
     80, start=0, slope=-0.02, level=1.0, noise=0.05, seed=12
 )
 NAMES = sorted(DETECTORS)
-BUILT_IN = {"baseline", "cusum", "ewma", "page_hinkley", "slope", "threshold"}
+BUILT_IN = {
+    "baseline",
+    "cusum",
+    "ema_rise",
+    "ewma",
+    "log_cusum",
+    "page_hinkley",
+    "slope",
+    "threshold",
+}
 # A valid change of parameters per built-in type.
 OTHER_VALID_PARAMS = {
     "baseline": {"warmup": 10},
     "cusum": {"h": 5.0},
     "ewma": {"z": 4.0},
+    "ema_rise": {"margin": 0.3},
+    "log_cusum": {"h": 0.7},
     "page_hinkley": {"delta": 0.3},
     "slope": {"window": 30},
     "threshold": {"below": 0.5},
@@ -56,7 +71,9 @@ MODULES = [
     "base",
     "baseline",
     "cusum",
+    "ema_rise",
     "ewma",
+    "log_cusum",
     "page_hinkley",
     "runs",
     "signals",
@@ -203,7 +220,7 @@ def test_reset_forgets_the_departure_and_keeps_the_baseline(name):
 def test_any_floats_never_raise_and_state_stays_strict_json(name, values):
     # Small windows and warm-ups so that short lists get past them; magnitudes up to 1.8e308
     # may overflow the statistics (documented), but must never raise or break the state.
-    small = {"threshold": {}, "slope": {"window": 6}}.get(name, {"warmup": 3})
+    small = {"threshold": {}, "slope": {"window": 6}, "log_cusum": {}}.get(name, {"warmup": 3})
     d = make(name, **small)
     half = len(values) // 2
     for i, v in enumerate(values[:half]):
@@ -220,9 +237,11 @@ def test_any_floats_never_raise_and_state_stays_strict_json(name, values):
 def test_huge_values_overflow_silently(name):
     # Values near the float64 limit may overflow a detector's statistics (documented); that
     # must not raise, not even when the training script turns warnings into errors.
-    small = {"threshold": {}, "slope": {"window": 6, "min_rel_change": 0.1}}.get(
-        name, {"warmup": 3}
-    )
+    small = {
+        "threshold": {},
+        "slope": {"window": 6, "min_rel_change": 0.1},
+        "log_cusum": {},
+    }.get(name, {"warmup": 3})
     d = make(name, **small)
     values = [1.0, 2.0, 1.5, 1e308, -1e308, 1.7e308, -1.7e308, 1.0, math.nan] * 3
     with warnings.catch_warnings():

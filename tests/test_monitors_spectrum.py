@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.monitors import (
+    qk_delta2_direction,
     qk_increment_spectrum,
     qk_monitor_spectra,
     spectrum_stats,
@@ -266,3 +267,22 @@ def test_qk_monitor_spectra_float32_and_shape_check():
     _assert_spectrum_matches(got.delta2, _dense(*f, 2), rtol=1e-4)
     with pytest.raises(ValueError, match="needs d >= 2 d_h"):
         qk_monitor_spectra(*(torch.ones(8, 5),) * 4)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), d=st.integers(8, 40), dh=st.integers(1, 4))
+def test_qk_delta2_direction_is_the_dense_top_left_singular_vector(seed, d, dh):
+    wq0, wk0, wq1, wk1 = _factors(seed, 3, d, dh, 2, 2, 0.3, torch.float64)
+    direction = qk_delta2_direction(wq0, wk0, wq1, wk1)  # (3, d)
+    delta2 = (wq1 - wq0) @ wk0.mT + wq0 @ (wk1 - wk0).mT  # (3, d, d), dense
+    u, s, _ = torch.linalg.svd(delta2)
+    for i in range(3):
+        if s[i, 0] - s[i, 1] < 1e-3 * s[i, 0]:
+            continue  # a repeated top singular value has no unique direction
+        assert abs(float(direction[i] @ u[i, :, 0])) == pytest.approx(1.0, abs=1e-8)
+        assert float(direction[i].norm()) == pytest.approx(1.0, abs=1e-10)
+
+
+def test_qk_delta2_direction_of_a_zero_update_is_zero():
+    wq0, wk0, _, _ = _factors(1, 2, 16, 4, 0, 0, 0.0, torch.float64)
+    assert torch.equal(qk_delta2_direction(wq0, wk0, wq0, wk0), torch.zeros(2, 16, dtype=wq0.dtype))

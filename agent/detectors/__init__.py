@@ -20,7 +20,9 @@ from typing import Any
 from agent.detectors.base import Detector, DetectorParams, DetectorProtocol, Trend
 from agent.detectors.baseline import BaselineDetector
 from agent.detectors.cusum import CUSUMDetector
+from agent.detectors.ema_rise import EMARiseDetector
 from agent.detectors.ewma import EWMADetector
+from agent.detectors.log_cusum import LogCUSUMDetector
 from agent.detectors.page_hinkley import PageHinkleyDetector
 from agent.detectors.slope import SlopeDetector
 from agent.detectors.threshold import ThresholdDetector
@@ -78,6 +80,8 @@ for _cls in (
     SlopeDetector,
     EWMADetector,
     CUSUMDetector,
+    EMARiseDetector,
+    LogCUSUMDetector,
     PageHinkleyDetector,
 ):
     register_detector(_cls)
@@ -89,7 +93,9 @@ __all__ = [
     "Detector",
     "DetectorParams",
     "DetectorProtocol",
+    "EMARiseDetector",
     "EWMADetector",
+    "LogCUSUMDetector",
     "PageHinkleyDetector",
     "SlopeDetector",
     "ThresholdDetector",

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -117,6 +118,26 @@ def default_when_neither(data: Any, keys: tuple[str, str], default: Mapping[str,
     return data
 
 
+@dataclass(frozen=True)
+class StateFields:
+    """A detector's own scalar state, declared once for saving and restoring: the names of its
+    attributes (each stored as ``_<name>``, saved under ``<name>``) by how a saved value is read
+    back: ``ints`` with ``int``, ``floats`` with ``float``, ``as_saved`` as it is (None or a
+    number: an optional step, a statistic not known yet)."""
+
+    ints: tuple[str, ...] = ()
+    floats: tuple[str, ...] = ()
+    as_saved: tuple[str, ...] = ()
+
+    def save(self, obj: object) -> dict[str, Any]:
+        return {name: getattr(obj, f"_{name}") for name in self.ints + self.floats + self.as_saved}
+
+    def load(self, obj: object, state: Mapping[str, Any]) -> None:
+        for names, read in ((self.ints, int), (self.floats, float), (self.as_saved, None)):
+            for name in names:
+                setattr(obj, f"_{name}", state[name] if read is None else read(state[name]))
+
+
 class DetectorProtocol(Protocol):
     """What the rule engine needs from a detector: feed values, read the verdict, save it."""
 
@@ -146,11 +167,13 @@ class DetectorProtocol(Protocol):
 
 class Detector(ABC):
     """One change detector, implementing ``DetectorProtocol``. Subclasses set ``type`` and
-    ``Params`` and implement the hooks ``_reset_state``, ``_update_finite``, ``_get_state`` and
-    ``_set_state``."""
+    ``Params``, implement the hooks ``_reset_state`` and ``_update_finite``, and declare their
+    own state in ``_state_fields`` (state of other kinds: extend ``_get_state`` and
+    ``_set_state``)."""
 
     type: ClassVar[str]
     Params: ClassVar[type[DetectorParams]] = DetectorParams
+    _state_fields: ClassVar[StateFields] = StateFields()
 
     def __init__(
         self, params: DetectorParams | Mapping[str, Any] | None = None, **kwargs: Any
@@ -341,10 +364,11 @@ class Detector(ABC):
         """Default for NaN / inf: a gap that changes nothing (see the module docstring)."""
         return None
 
-    @abstractmethod
     def _get_state(self) -> dict[str, Any]:
-        """The subclass's own state, strict JSON."""
+        """The subclass's own state (``encode_tree`` makes it strict JSON): by default the
+        attributes that ``_state_fields`` names."""
+        return self._state_fields.save(self)
 
-    @abstractmethod
     def _set_state(self, state: Mapping[str, Any]) -> None:
         """Inverse of ``_get_state``."""
+        self._state_fields.load(self, state)

@@ -52,7 +52,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from agent.detectors.base import Detector, DetectorParams, default_when_neither, scale_floor
+from agent.detectors.base import (
+    Detector,
+    DetectorParams,
+    StateFields,
+    default_when_neither,
+    scale_floor,
+)
 from agent.detectors.runs import HalfBandRuns
 
 DEFAULT_Z = 5.0
@@ -120,6 +126,7 @@ class BaselineDetector(Detector):
     type = "baseline"
     Params = BaselineParams
     params: BaselineParams
+    _state_fields = StateFields(ints=("n_finite",), as_saved=("median", "mad"))
 
     def _reset_state(self) -> None:
         self._values: deque[float] = deque(maxlen=self.params.window)  # warm-up or rolling
@@ -189,17 +196,10 @@ class BaselineDetector(Detector):
             self._learn()
 
     def _get_state(self) -> dict[str, Any]:
-        return {
-            "values": list(self._values),
-            "n_finite": self._n_finite,
-            "median": self._median,
-            "mad": self._mad,
-            "runs": self._runs.state_dict(),
-        }
+        state = super()._get_state()
+        return {**state, "values": list(self._values), "runs": self._runs.state_dict()}
 
     def _set_state(self, state: Mapping[str, Any]) -> None:
+        super()._set_state(state)
         self._values = deque((float(v) for v in state["values"]), maxlen=self.params.window)
-        self._n_finite = int(state["n_finite"])
-        self._median = state["median"]
-        self._mad = state["mad"]
         self._runs.load_state_dict(state["runs"])

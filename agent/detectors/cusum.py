@@ -34,12 +34,11 @@ values are gaps (see ``agent.detectors.base``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from agent.detectors.base import Detector, DetectorParams, scale_floor, welford
+from agent.detectors.base import Detector, DetectorParams, StateFields, scale_floor, welford
 from agent.detectors.runs import run_start
 
 
@@ -63,6 +62,11 @@ class CUSUMDetector(Detector):
     type = "cusum"
     Params = CUSUMParams
     params: CUSUMParams
+    _state_fields = StateFields(
+        ints=("n_finite",),
+        floats=("mean", "m2", "c_high", "c_low"),
+        as_saved=("high_since", "low_since"),
+    )
 
     def _reset_state(self) -> None:
         self._n_finite = 0
@@ -113,23 +117,3 @@ class CUSUMDetector(Detector):
         self._set_larger_side_verdict(
             p.direction, p.h, (self._c_high, self._high_since), (self._c_low, self._low_since)
         )
-
-    def _get_state(self) -> dict[str, Any]:
-        return {
-            "n_finite": self._n_finite,
-            "mean": self._mean,
-            "m2": self._m2,
-            "c_high": self._c_high,
-            "c_low": self._c_low,
-            "high_since": self._high_since,
-            "low_since": self._low_since,
-        }
-
-    def _set_state(self, state: Mapping[str, Any]) -> None:
-        self._n_finite = int(state["n_finite"])
-        self._mean = float(state["mean"])
-        self._m2 = float(state["m2"])
-        self._c_high = float(state["c_high"])
-        self._c_low = float(state["c_low"])
-        self._high_since = state["high_since"]
-        self._low_since = state["low_since"]

@@ -49,6 +49,7 @@ from pydantic import Field, model_validator
 from agent.detectors.base import (
     Detector,
     DetectorParams,
+    StateFields,
     default_when_neither,
     scale_floor,
     welford,
@@ -113,6 +114,7 @@ class EWMADetector(Detector):
     type = "ewma"
     Params = EWMAParams
     params: EWMAParams
+    _state_fields = StateFields(ints=("n_finite",), floats=("mean", "m2_or_var"))
 
     def _reset_state(self) -> None:
         self._n_finite = 0
@@ -166,15 +168,8 @@ class EWMADetector(Detector):
         self._m2_or_var = (1.0 - alpha) * (self._m2_or_var + alpha * delta * delta)
 
     def _get_state(self) -> dict[str, Any]:
-        return {
-            "n_finite": self._n_finite,
-            "mean": self._mean,
-            "m2_or_var": self._m2_or_var,
-            "runs": self._runs.state_dict(),
-        }
+        return {**super()._get_state(), "runs": self._runs.state_dict()}
 
     def _set_state(self, state: Mapping[str, Any]) -> None:
-        self._n_finite = int(state["n_finite"])
-        self._mean = float(state["mean"])
-        self._m2_or_var = float(state["m2_or_var"])
+        super()._set_state(state)
         self._runs.load_state_dict(state["runs"])

@@ -39,12 +39,11 @@ mean. Non-finite values are gaps (see ``agent.detectors.base``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from agent.detectors.base import Detector, DetectorParams, scale_floor, welford
+from agent.detectors.base import Detector, DetectorParams, StateFields, scale_floor, welford
 
 
 class PageHinkleyParams(DetectorParams):
@@ -81,6 +80,11 @@ class PageHinkleyDetector(Detector):
     type = "page_hinkley"
     Params = PageHinkleyParams
     params: PageHinkleyParams
+    _state_fields = StateFields(
+        ints=("n_finite",),
+        floats=("mean", "m2", "m_high", "min_high", "m_low", "min_low"),
+        as_saved=("sigma", "high_onset", "low_onset"),
+    )
 
     def _reset_state(self) -> None:
         self._n_finite = 0
@@ -136,29 +140,3 @@ class PageHinkleyDetector(Detector):
         self._set_larger_side_verdict(
             p.direction, p.threshold, (ph_high, self._high_onset), (ph_low, self._low_onset)
         )
-
-    def _get_state(self) -> dict[str, Any]:
-        return {
-            "n_finite": self._n_finite,
-            "mean": self._mean,
-            "m2": self._m2,
-            "sigma": self._sigma,
-            "m_high": self._m_high,
-            "min_high": self._min_high,
-            "high_onset": self._high_onset,
-            "m_low": self._m_low,
-            "min_low": self._min_low,
-            "low_onset": self._low_onset,
-        }
-
-    def _set_state(self, state: Mapping[str, Any]) -> None:
-        self._n_finite = int(state["n_finite"])
-        self._mean = float(state["mean"])
-        self._m2 = float(state["m2"])
-        self._sigma = state["sigma"]
-        self._m_high = float(state["m_high"])
-        self._min_high = float(state["min_high"])
-        self._high_onset = state["high_onset"]
-        self._m_low = float(state["m_low"])
-        self._min_low = float(state["min_low"])
-        self._low_onset = state["low_onset"]

@@ -47,12 +47,7 @@ def noise_series(n: int, level: float = 0.0, noise: float = 1.0, seed: int = 0) 
 
 
 def step_series(
-    n: int,
-    at: int,
-    before: float = 1.0,
-    after: float = 0.5,
-    noise: float = 0.01,
-    seed: int = 0,
+    n: int, at: int, before: float = 1.0, after: float = 0.5, noise: float = 0.01, seed: int = 0
 ) -> list[float]:
     """``before`` for indices < ``at``, ``after`` from index ``at`` on, plus noise."""
     _check_index("at", at, n)
@@ -60,12 +55,7 @@ def step_series(
 
 
 def ramp_series(
-    n: int,
-    start: int,
-    slope: float,
-    level: float = 1.0,
-    noise: float = 0.01,
-    seed: int = 0,
+    n: int, start: int, slope: float, level: float = 1.0, noise: float = 0.01, seed: int = 0
 ) -> list[float]:
     """``level`` before index ``start``, then ``level + slope * (i - start + 1)``: index
     ``start`` is the first departed value. Plus noise. ``slope`` is per index."""

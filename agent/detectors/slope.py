@@ -51,7 +51,14 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from agent.detectors.base import TREND_FALLING, TREND_RISING, Detector, DetectorParams, Trend
+from agent.detectors.base import (
+    TREND_FALLING,
+    TREND_RISING,
+    Detector,
+    DetectorParams,
+    StateFields,
+    Trend,
+)
 
 
 class SlopeParams(DetectorParams):
@@ -141,6 +148,7 @@ class SlopeDetector(Detector):
     type = "slope"
     Params = SlopeParams
     params: SlopeParams
+    _state_fields = StateFields(ints=("s",), as_saved=("p_value",))
 
     def _reset_state(self) -> None:
         self._steps: deque[int] = deque(maxlen=self.params.window)
@@ -256,17 +264,11 @@ class SlopeDetector(Detector):
         return True
 
     def _get_state(self) -> dict[str, Any]:
-        return {
-            "steps": list(self._steps),
-            "values": list(self._values),
-            "s": self._s,
-            "p_value": self._p_value,
-        }
+        return {**super()._get_state(), "steps": list(self._steps), "values": list(self._values)}
 
     def _set_state(self, state: Mapping[str, Any]) -> None:
+        super()._set_state(state)
         self._steps = deque((int(s) for s in state["steps"]), maxlen=self.params.window)
         self._values = deque((float(v) for v in state["values"]), maxlen=self.params.window)
-        self._s = int(state["s"])
-        self._p_value = state["p_value"]
         self._slope_cache = None
         self._count_values()

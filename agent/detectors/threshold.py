@@ -18,9 +18,6 @@ above nor below anything (it ends a run; a dedicated ``loss_nonfinite`` rule han
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from pydantic import Field, model_validator
 
 from agent.detectors.base import (
@@ -28,6 +25,7 @@ from agent.detectors.base import (
     TREND_RISING,
     Detector,
     DetectorParams,
+    StateFields,
 )
 
 
@@ -57,6 +55,7 @@ class ThresholdDetector(Detector):
     type = "threshold"
     Params = ThresholdParams
     params: ThresholdParams
+    _state_fields = StateFields(as_saved=("run_start",))
 
     def _reset_state(self) -> None:
         self._run_start: int | None = None  # first step of the current triggered run
@@ -84,9 +83,3 @@ class ThresholdDetector(Detector):
         elif self._run_start is None or trend != self._direction:
             self._run_start = step  # a new run (a jump from above to below starts one too)
         self._set_verdict(trend, self._run_start)
-
-    def _get_state(self) -> dict[str, Any]:
-        return {"run_start": self._run_start}
-
-    def _set_state(self, state: Mapping[str, Any]) -> None:
-        self._run_start = state["run_start"]

@@ -14,6 +14,7 @@ from agent.monitors.router import (
 from agent.monitors.spectrum import (
     QKSpectra,
     SpectrumStats,
+    qk_delta2_direction,
     qk_increment_spectrum,
     qk_monitor_spectra,
     spectrum_stats,
@@ -25,6 +26,7 @@ __all__ = [
     "QKSpectra",
     "RoutingLoad",
     "SpectrumStats",
+    "qk_delta2_direction",
     "qk_increment_spectrum",
     "qk_monitor_spectra",
     "router_conditioning_ratio",

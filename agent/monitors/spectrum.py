@@ -207,6 +207,32 @@ def _update_spectrum(w_prev: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.where(s > tol, s, torch.zeros_like(s))
 
 
+@torch.no_grad()
+def qk_delta2_direction(
+    wq_prev: torch.Tensor, wk_prev: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor
+) -> torch.Tensor:
+    """The unit top left singular vector of Delta_2 for factors (..., d, d_h): (..., d).
+
+    Delta_2 = A B^T with A = [dW_q, W_q], B = [W_k, dW_k]; with A = Q_A R_A and B = Q_B R_B its
+    left singular vectors are Q_A U, U those of the 2 d_h core R_A R_B^T. The sign is arbitrary
+    (compare two directions with |cos|); an all-zero Delta_2 gives the zero vector.
+    """
+    _check_factors(wq_prev=wq_prev, wk_prev=wk_prev, wq=wq, wk=wk)
+    return _head_by_head_on_cpu(_delta2_direction, wq_prev, wk_prev, wq, wk)
+
+
+def _delta2_direction(
+    wq_prev: torch.Tensor, wk_prev: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor
+) -> torch.Tensor:
+    dq, dk = wq - wq_prev, wk - wk_prev  # (..., d, d_h)
+    q_a, r_a = torch.linalg.qr(torch.cat([dq, wq_prev], dim=-1))  # (..., d, 2dh), (.., 2dh, 2dh)
+    _, r_b = torch.linalg.qr(torch.cat([wk_prev, dk], dim=-1), mode="r")
+    u, _, _ = torch.linalg.svd(r_a @ r_b.mT)  # (..., 2dh, 2dh)
+    top = q_a @ u[..., :, :1]  # (..., d, 1)
+    zero = (_is_zero(dq) & _is_zero(dk))[..., None, None]
+    return torch.where(zero, torch.zeros_like(top), top).squeeze(-1)
+
+
 class QKSpectra(NamedTuple):
     """Every QK spectrum of one snapshot pair, (..., k) each, from one QR pair."""
 

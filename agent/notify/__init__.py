@@ -12,42 +12,35 @@ Names are imported lazily (PEP 562) so that ``agent.eventlog`` can use
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from agent.lazy_exports import lazy_exports
 
 # Public name -> submodule of agent.notify that defines it.
-_EXPORTS = {
-    "DeliveryError": "base",
-    "DeliveryLookup": "base",
-    "LookupUnavailableError": "base",
-    "MessageRejectedError": "base",
-    "Notifier": "base",
-    "PermanentDeliveryError": "base",
-    "TransientDeliveryError": "base",
-    "DeliveryConfig": "config",
-    "NotifyConfig": "config",
-    "SlackConfig": "config",
-    "resolve_slack": "config",
-    "ConsoleNotifier": "console",
-    "NotifierStatus": "dispatcher",
-    "PageDispatcher": "dispatcher",
-    "build_dispatcher": "factory",
-    "build_notifiers": "factory",
-    "JsonlNotifier": "jsonl",
-    "Outbox": "outbox",
-    "OutboxLockedError": "outbox",
-    "RenderedPage": "render",
-    "render_blocks": "render",
-    "render_page": "render",
-    "render_text": "render",
-    "SlackNotifier": "slack",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'agent.notify' has no attribute {name!r}")
-    module = importlib.import_module(f"agent.notify.{_EXPORTS[name]}")
-    return getattr(module, name)
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "DeliveryError": ".base",
+        "DeliveryLookup": ".base",
+        "LookupUnavailableError": ".base",
+        "MessageRejectedError": ".base",
+        "Notifier": ".base",
+        "PermanentDeliveryError": ".base",
+        "TransientDeliveryError": ".base",
+        "DeliveryConfig": ".config",
+        "NotifyConfig": ".config",
+        "SlackConfig": ".config",
+        "resolve_slack": ".config",
+        "ConsoleNotifier": ".console",
+        "NotifierStatus": ".dispatcher",
+        "PageDispatcher": ".dispatcher",
+        "build_dispatcher": ".factory",
+        "build_notifiers": ".factory",
+        "JsonlNotifier": ".jsonl",
+        "Outbox": ".outbox",
+        "OutboxLockedError": ".outbox",
+        "RenderedPage": ".render",
+        "render_blocks": ".render",
+        "render_page": ".render",
+        "render_text": ".render",
+        "SlackNotifier": ".slack",
+    },
+)

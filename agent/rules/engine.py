@@ -4,23 +4,11 @@ machine, counted in evaluations (samples) and steps.
 For each rule, ``evaluate(step, now)`` reads the points that arrived in the store since the
 rule's cursors, groups them by the labels that ``reduce.over`` keeps (the alert's identity,
 with the rule name), reduces the values of each group per step, feeds each reduced value to
-the group's own detector, and advances the group's alert:
-
-    inactive --condition true--> pending --held for `for`--> firing
-    pending --condition false--> inactive                              ("cancelled")
-    firing --condition false for more than `keep_firing_for`, and `clear` holds--> inactive
-                                                                       ("resolved")
-
-The condition is the detector's ``triggered``. One value fed is one evaluation, so a metric
-logged every step and a monitor that reports every 100 steps both count `for: 3` in their own
-samples; ``for: "500 steps"`` counts training steps between the pending step and now.
-Exactly: an alert fires at the value where it has held ``for`` evaluations (or steps) since it
-became pending (``for: 0`` fires at once), and resolves at the value where more than
-``keep_firing_for`` evaluations (or steps) passed since the condition last held.
-
-An alert holds only its lifecycle: how often its actions run and when it is paged again is
-pacing's business (``remediations.pacing``), as in Prometheus, where repeats and grouping live
-in Alertmanager.
+the group's own detector, and advances the group's alert through its lifecycle (inactive ->
+pending -> firing -> inactive; ``agent.rules.alerts`` has the state machine and its exact
+timing). The condition is the detector's ``triggered``. One value fed is one evaluation, so a
+metric logged every step and a monitor that reports every 100 steps both count ``for: 3`` in
+their own samples; ``for: "500 steps"`` counts training steps between the pending step and now.
 
 Reading: every point is fed once (the store's cursors), in arrival order: steps that go
 backwards (after a rollback) are fed, and so is a later point at a step already fed (the
@@ -40,162 +28,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agent.detectors import DetectorProtocol
-from agent.incidents import Evidence
+from agent.rules.alerts import (
+    FIRING,
+    Alert,
+    AlertTransition,
+    Labels,
+    advance,
+    alert_state,
+    load_alert_state,
+)
 from agent.rules.detector_catalog import DetectorCatalog, default_detector_catalog
 from agent.rules.reduce import reduce_values
 from agent.rules.ruleset import Rule, RuleSet
-from agent.rules.schema import ActionSpec
-from agent.rules.templates import render_template
 
 if TYPE_CHECKING:
     from agent.store import SeriesStore
 
-Labels = tuple[tuple[str, str], ...]
+__all__ = ["Alert", "AlertTransition", "RuleEngine", "RuleHealth", "RuleProblem"]
+
 STATE_VERSION = 1
-INACTIVE, PENDING, FIRING = "inactive", "pending", "firing"
-
-
-@dataclass
-class Alert:
-    """One rule's state for one label set. ``summary``/``suggest`` render on access."""
-
-    rule: str
-    labels: Labels
-    metric: str
-    family: str
-    severity: str
-    actions: tuple[ActionSpec, ...] = ()
-    state: str = INACTIVE  # inactive | pending | firing
-    value: float | None = None  # latest reduced value fed to the detector
-    baseline: float | None = None  # detector's baseline after that value
-    statistic: float | None = None  # detector's test statistic after that value
-    direction: str | None = None  # detector's direction ("drop", "rise", ...)
-    step: int | None = None  # step of the latest value
-    onset_step: int | None = None  # detector's onset estimate (pending step if it has none)
-    pending_step: int | None = None  # step at which the current episode became pending
-    fired_step: int | None = None
-    resolved_step: int | None = None
-    fired_time: float | None = None  # `now` of the evaluation that fired it
-    resolved_time: float | None = None
-    held: int = 0  # evaluations the condition has held since the episode became pending
-    false_count: int = 0  # evaluations since the condition last held, while firing
-    last_true_step: int | None = None  # last step the condition held, while firing
-    summary_template: str = field(default="", repr=False)
-    suggest_template: str = field(default="", repr=False)
-
-    @property
-    def label_dict(self) -> dict[str, str]:
-        return dict(self.labels)
-
-    def template_values(self) -> dict[str, Any]:
-        return {
-            "value": self.value,
-            "baseline": self.baseline,
-            "statistic": self.statistic,
-            "onset_step": self.onset_step,
-            "fired_step": self.fired_step,
-            "step": self.step,
-            "rule": self.rule,
-            "metric": self.metric,
-            "direction": self.direction,
-            "labels": self.label_dict,
-        }
-
-    @property
-    def summary(self) -> str:
-        return render_template(self.summary_template, self.template_values())
-
-    @property
-    def suggest(self) -> str:
-        return render_template(self.suggest_template, self.template_values())
-
-    @property
-    def trend(self) -> str | None:
-        """ "falling" or "rising": the detector's direction, else the value against the
-        baseline; None when neither says."""
-        if self.direction in ("falling", "rising"):
-            return self.direction
-        if self.value is None or self.baseline is None or self.value == self.baseline:
-            return None
-        if math.isnan(self.value) or math.isnan(self.baseline):
-            return None
-        return "falling" if self.value < self.baseline else "rising"
-
-    def to_evidence(self) -> Evidence:
-        """This alert as incident evidence (meant for firing alerts)."""
-        return Evidence(
-            rule=self.rule,
-            metric=self.metric,
-            labels=self.label_dict,
-            family=self.family,
-            severity=self.severity,
-            value=math.nan if self.value is None else self.value,
-            baseline=self.baseline,
-            onset_step=self.onset_step,
-            fired_step=self.fired_step if self.fired_step is not None else (self.step or 0),
-            trend=self.trend,
-            summary=self.summary,
-            suggest=self.suggest,
-        )
-
-
-_ALERT_STATE_FIELDS = (
-    "state",
-    "value",
-    "baseline",
-    "statistic",
-    "direction",
-    "step",
-    "onset_step",
-    "pending_step",
-    "fired_step",
-    "resolved_step",
-    "fired_time",
-    "resolved_time",
-    "held",
-    "false_count",
-    "last_true_step",
-)
-
-_FLOAT_FIELDS = frozenset({"value", "baseline", "statistic", "fired_time", "resolved_time"})
-
-
-def _alert_state(alert: Alert) -> dict[str, Any]:
-    """Strict-JSON state of an alert: non-finite floats become "nan", "inf", "-inf"."""
-    state = {}
-    for key in _ALERT_STATE_FIELDS:
-        value = getattr(alert, key)
-        if key in _FLOAT_FIELDS and value is not None and not math.isfinite(value):
-            value = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        state[key] = value
-    return state
-
-
-@dataclass(frozen=True)
-class AlertTransition:
-    """An alert changed state at sample step ``step`` during ``evaluate(eval_step, time)``."""
-
-    rule: str
-    labels: Labels
-    from_state: str
-    to_state: str
-    step: int
-    eval_step: int
-    time: float
-    alert: Alert  # a snapshot taken right after the transition
-
-    @property
-    def kind(self) -> str:
-        """pending | firing | resolved (firing -> inactive) | cancelled (pending -> inactive)."""
-        if self.to_state != INACTIVE:
-            return self.to_state
-        return "resolved" if self.from_state == FIRING else "cancelled"
 
 
 @dataclass
@@ -312,7 +168,7 @@ class RuleEngine:
         alert.statistic = detector.statistic
         alert.direction = detector.direction
         condition = bool(detector.triggered)
-        _advance(runtime.rule, alert, condition, detector.onset_step, step, eval_step, now, out)
+        advance(runtime.rule, alert, condition, detector.onset_step, step, eval_step, now, out)
 
     def _new_group(self, rule: Rule, group_labels: Labels) -> _Group:
         detector = self._catalog.build(rule.detector.type, rule.detector.params)
@@ -392,7 +248,7 @@ class RuleEngine:
                         "labels": _pairs(labels),
                         "last_fed_step": group.last_fed_step,
                         "detector": group.detector.state_dict(),
-                        "alert": _alert_state(group.alert),
+                        "alert": alert_state(group.alert),
                     }
                     for labels, group in runtime.groups.items()
                 ],
@@ -432,96 +288,9 @@ class RuleEngine:
             group = self._new_group(rule, labels)
             group.detector.load_state_dict(entry["detector"])
             group.last_fed_step = entry["last_fed_step"]
-            for key in _ALERT_STATE_FIELDS:
-                value = entry["alert"][key]
-                setattr(
-                    group.alert,
-                    key,
-                    float(value) if key in _FLOAT_FIELDS and value is not None else value,
-                )
-            if group.alert.state not in (INACTIVE, PENDING, FIRING):
-                raise ValueError(f"unknown alert state {group.alert.state!r}")
+            load_alert_state(group.alert, entry["alert"])
             runtime.groups[labels] = group
         return runtime
-
-
-def _advance(
-    rule: Rule,
-    alert: Alert,
-    condition: bool,
-    onset: int | None,
-    step: int,
-    eval_step: int,
-    now: float,
-    out: list[AlertTransition],
-) -> None:
-    """One evaluation of the state machine for ``alert`` at sample ``step``."""
-    if alert.state == INACTIVE:
-        if not condition:
-            return
-        alert.state = PENDING
-        alert.pending_step = step
-        alert.held = 0
-        alert.onset_step = onset if onset is not None else step
-        alert.fired_step = alert.resolved_step = None
-        alert.fired_time = alert.resolved_time = None
-        _emit(alert, INACTIVE, step, eval_step, now, out)
-        _maybe_fire(rule, alert, step, eval_step, now, out)
-    elif alert.state == PENDING:
-        if not condition:
-            alert.state = INACTIVE
-            _emit(alert, PENDING, step, eval_step, now, out)
-            return
-        alert.held += 1
-        if onset is not None:
-            alert.onset_step = onset
-        _maybe_fire(rule, alert, step, eval_step, now, out)
-    else:
-        assert alert.state == FIRING, alert.state
-        if onset is not None:
-            alert.onset_step = onset
-        if condition:
-            alert.last_true_step = step
-            alert.false_count = 0
-            return
-        alert.false_count += 1
-        keep = rule.keep_firing_for
-        assert alert.last_true_step is not None
-        waited = alert.false_count if keep.unit == "evaluations" else step - alert.last_true_step
-        if waited > keep.count and (
-            rule.clear is None or rule.clear.holds(alert.value, alert.baseline)
-        ):
-            alert.state = INACTIVE
-            alert.resolved_step = step
-            alert.resolved_time = now
-            _emit(alert, FIRING, step, eval_step, now, out)
-
-
-def _maybe_fire(
-    rule: Rule, alert: Alert, step: int, eval_step: int, now: float, out: list[AlertTransition]
-) -> None:
-    wait = rule.for_
-    assert alert.pending_step is not None
-    held = alert.held if wait.unit == "evaluations" else step - alert.pending_step
-    if held < wait.count:
-        return
-    alert.state = FIRING
-    alert.fired_step = step
-    alert.fired_time = now
-    alert.last_true_step = step
-    alert.false_count = 0
-    _emit(alert, PENDING, step, eval_step, now, out)
-
-
-def _emit(
-    alert: Alert, from_state: str, step: int, eval_step: int, now: float, out: list[AlertTransition]
-) -> None:
-    snapshot = dataclasses.replace(alert)
-    out.append(
-        AlertTransition(
-            alert.rule, alert.labels, from_state, alert.state, step, eval_step, now, snapshot
-        )
-    )
 
 
 def _reduce_by_group(

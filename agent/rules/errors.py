@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 
 
+@dataclass(eq=False)  # an exception: equal only to itself, and hashable
 class RuleFileError(ValueError):
     """One problem in a rule file.
 
@@ -15,24 +17,16 @@ class RuleFileError(ValueError):
     ``actions[1].rollback.margin_steps``), or to the file root when neither has a name.
     """
 
-    def __init__(
-        self,
-        path: str,
-        line: int | None,
-        column: int | None,
-        message: str,
-        *,
-        group: str | None = None,
-        rule: str | None = None,
-        field: str | None = None,
-    ) -> None:
-        self.path = path
-        self.line = line
-        self.column = column
-        self.group = group
-        self.rule = rule
-        self.field = field
-        self.message = message
+    path: str
+    line: int | None
+    column: int | None
+    message: str
+    _: KW_ONLY
+    group: str | None = None
+    rule: str | None = None
+    field: str | None = None
+
+    def __post_init__(self) -> None:
         super().__init__(self._render())
 
     def _render(self) -> str:

@@ -1,0 +1,117 @@
+"""``log_cusum``: a CUSUM on the relative change between successive values: a sustained fall
+(or rise) *rate*, whatever the level.
+
+Each update after the first adds the log-change ``d = ln(value) - ln(previous)`` to one-sided
+sums with an allowance ``k`` per update (natural-log units: 0.1 is about 10% per update):
+
+    C- = max(0, C- - d - k)      (falling)        C+ = max(0, C+ + d - k)      (rising)
+
+and triggers while a watched sum exceeds ``h`` (log units: 1.0 is a fall to 1/e, beyond the
+allowance). There is no baseline to learn, so nothing a series did before can disarm it: a
+healthy series that drifts slower than ``k`` per update never accumulates (a router sharpening
+through its warm-up, a slow phase transition), a one-time step smaller than ``h + k`` is
+forgiven (a learning-rate change), while a collapse that keeps going fires within a few
+updates at any level. Values at or below ``floor`` count as ``floor`` (an entropy of exactly 0).
+
+Onset: the first update of the triggered sum's current excursion. Baseline: the value just
+before the departure began (what the series fell or rose from). It outlives the sum: a series
+that collapsed and stays down lets its sum decay by ``k`` per update, but the baseline is
+replaced only by a departure that starts from within ``h`` of it (the series came back), so a
+rule's ``clear: {baseline_ratio_above: 0.8}`` keeps the alert firing until the value recovers.
+The statistic is the larger sum, signed (- falling, + rising). Non-finite values are gaps.
+
+>>> from agent.detectors.log_cusum import LogCUSUMDetector
+>>> d = LogCUSUMDetector(k=0.1, h=1.0, direction="falling")
+>>> values = [2.0, 1.95, 2.0, 1.9, 1.2, 0.6, 0.3, 0.3]
+>>> [step for step, v in enumerate(values) if d.update(step, v).triggered]
+[6, 7]
+>>> d.onset_step, round(d.baseline, 2)
+(4, 1.9)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field
+
+from agent.detectors.base import Detector, DetectorParams, StateFields
+from agent.detectors.runs import run_start
+
+
+class LogCUSUMParams(DetectorParams):
+    k: float = Field(0.1, ge=0, description="Allowance per update, natural-log units.")
+    h: float = Field(1.0, gt=0, description="Decision interval, natural-log units.")
+    direction: Literal["falling", "rising", "both"] = Field(
+        "falling", description="Which sum triggers: C- (falling), C+ (rising) or either."
+    )
+    floor: float = Field(
+        1e-9, gt=0, description="Values at or below this count as this (metric units)."
+    )
+
+
+class LogCUSUMDetector(Detector):
+    """CUSUM on log-changes. See the module docstring."""
+
+    type = "log_cusum"
+    Params = LogCUSUMParams
+    params: LogCUSUMParams
+    _state_fields = StateFields(
+        floats=("c_high", "c_low"),
+        as_saved=("previous", "high_since", "low_since", "high_from", "low_from"),
+    )
+
+    def _reset_state(self) -> None:
+        self._previous: float | None = None  # ln of the previous value
+        self._high_from: float | None = None  # the value the current departure rose from
+        self._low_from: float | None = None  # ... fell from (kept by reset: the baseline)
+        self._forget_departure()
+
+    def _forget_departure(self) -> None:
+        self._c_high = 0.0  # C+
+        self._c_low = 0.0  # C-
+        self._high_since: int | None = None  # first step of C+'s current excursion
+        self._low_since: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        """After the first finite value: a change needs a value to change from."""
+        return self._previous is not None
+
+    @property
+    def baseline(self) -> float | None:
+        watched = self.params.direction
+        if watched == "both":
+            watched = "rising" if self._c_high > self._c_low else "falling"
+        start = self._low_from if watched == "falling" else self._high_from
+        if start is not None:
+            return start
+        return None if self._previous is None else math.exp(self._previous)
+
+    def _update_finite(self, step: int, value: float) -> None:
+        p = self.params
+        now = math.log(max(value, p.floor))
+        before, self._previous = self._previous, now
+        if before is None:
+            return
+        d = now - before
+        low_was, high_was = self._c_low, self._c_high
+        self._c_low = max(0.0, self._c_low - d - p.k)
+        self._c_high = max(0.0, self._c_high + d - p.k)
+        if low_was == 0.0 and self._c_low != 0.0 and self._came_back(before, self._low_from, -1):
+            self._low_from = math.exp(before)
+        if high_was == 0.0 and self._c_high != 0.0 and self._came_back(before, self._high_from, 1):
+            self._high_from = math.exp(before)
+        self._low_since = run_start(self._c_low != 0.0, self._low_since, step)
+        self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
+        self._set_larger_side_verdict(
+            p.direction, p.h, (self._c_high, self._high_since), (self._c_low, self._low_since)
+        )
+
+    def _came_back(self, level: float, reference: float | None, sign: int) -> bool:
+        """Whether a new departure from ``level`` (ln) starts a new reference: there is none
+        yet, or the series is back within ``h`` of the old one."""
+        if reference is None:
+            return True
+        return sign * (level - math.log(max(reference, self.params.floor))) <= self.params.h

@@ -1,0 +1,77 @@
+"""``log_cusum`` on step, ramp, spike and noise series, with exact indices."""
+
+from __future__ import annotations
+
+import math
+
+from agent.detectors.log_cusum import LogCUSUMDetector
+from agent.detectors.signals import noise_series
+
+
+def fired(d: LogCUSUMDetector, values: list[float]) -> list[int]:
+    return [i for i, v in enumerate(values) if d.update(i, v).triggered]
+
+
+def geometric(n: int, start: int, rate: float, level: float = 2.0) -> list[float]:
+    """``level`` until index ``start``, then multiplied by ``rate`` at every index."""
+    return [level * rate ** max(0, i - start + 1) for i in range(n)]
+
+
+def test_a_sustained_fall_fires_once_the_excess_rate_adds_up_to_h_at_any_level():
+    # 20% per update: ln(0.8) = -0.223, 0.123 beyond the allowance; > 1.0 after 9 updates.
+    for level in (2.0, 2000.0, 0.002):
+        d = LogCUSUMDetector(k=0.1, h=1.0)
+        steps = fired(d, geometric(30, start=10, rate=0.8, level=level))
+        assert steps == list(range(18, 30)), level
+        assert d.onset_step == 10 and d.direction == "falling"
+        assert math.isclose(d.baseline, level)
+
+
+def test_a_slow_drift_and_a_one_time_step_are_forgiven():
+    slow = geometric(200, start=10, rate=0.92)  # 8% per update: below the 10% allowance
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0), slow) == []
+    step = [2.0] * 20 + [0.9] * 20  # ln(0.45) = -0.80: 0.70 beyond the allowance, < h
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0), step) == []
+    # A smaller h takes it while the excess lasts: 0.70 at the step, 0.60 one update later.
+    assert fired(LogCUSUMDetector(k=0.1, h=0.5), step) == [20, 21]
+
+
+def test_a_one_update_dip_fires_once_and_the_next_value_clears_it():
+    values = [1.0] * 10 + [0.3] + [1.0] * 10  # ln(1/0.3) - 0.1 = 1.10 > h, then back
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0), values) == [10]  # a rule's `for` holds it
+
+
+def test_noise_alone_never_fires():
+    values = noise_series(2000, level=2.0, noise=0.1, seed=3)  # 5% relative noise
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0), values) == []
+
+
+def test_rising_and_both_directions():
+    values = [1.0] * 5 + [1.0 * 1.3**i for i in range(1, 10)]  # ln 1.3 = 0.262 per update
+    # 0.162 beyond the allowance per update: > 1.0 at the 7th rising update (index 11).
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0, direction="rising"), values) == list(
+        range(11, 14)
+    )
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0, direction="falling"), values) == []
+    both = LogCUSUMDetector(k=0.1, h=1.0, direction="both")
+    assert fired(both, values) == list(range(11, 14)) and both.direction == "rising"
+
+
+def test_the_baseline_outlives_the_sum_until_the_series_comes_back():
+    d = LogCUSUMDetector(k=0.1, h=1.0)
+    collapse = geometric(20, start=5, rate=0.5)  # 2.0 -> 2e-5
+    flat = [collapse[-1]] * 100  # stays down: the sum (8.9) decays by k per update
+    fired(d, collapse + flat)
+    assert not d.triggered and math.isclose(d.baseline, 2.0)  # still "fell from 2.0"
+    for i, v in enumerate([v * 0.7 for v in flat[:3]], start=120):  # falls further: same ref
+        d.update(i, v)
+    assert math.isclose(d.baseline, 2.0)
+    for i, v in enumerate([3.0, 3.0, 1.5, 0.75, 0.375], start=130):  # back, then a new fall
+        d.update(i, v)
+    assert d.triggered and d.onset_step == 132 and math.isclose(d.baseline, 3.0)
+
+
+def test_zero_and_negative_values_count_as_the_floor():
+    d = LogCUSUMDetector(k=0.1, h=1.0, floor=1e-3)
+    assert fired(d, [1.0, 1.0, 0.0, -5.0, 0.0]) == [2, 3, 4]
+    assert math.isclose(d.statistic, -(math.log(1.0 / 1e-3) - 3 * 0.1))
