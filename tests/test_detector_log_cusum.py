@@ -49,9 +49,7 @@ def test_noise_alone_never_fires():
 def test_rising_and_both_directions():
     values = [1.0] * 5 + [1.0 * 1.3**i for i in range(1, 10)]  # ln 1.3 = 0.262 per update
     # 0.162 beyond the allowance per update: > 1.0 at the 7th rising update (index 11).
-    assert fired(LogCUSUMDetector(k=0.1, h=1.0, direction="rising"), values) == list(
-        range(11, 14)
-    )
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0, direction="rising"), values) == list(range(11, 14))
     assert fired(LogCUSUMDetector(k=0.1, h=1.0, direction="falling"), values) == []
     both = LogCUSUMDetector(k=0.1, h=1.0, direction="both")
     assert fired(both, values) == list(range(11, 14)) and both.direction == "rising"

@@ -219,8 +219,8 @@ MALFORMED = [
         rule(detector="{type: thresh, above: 2.0}"),
         [
             "bad.yaml:6:26: group 'fa', rule 'r', field 'detector.type': unknown detector type "
-            "'thresh'; valid types: baseline, cusum, ema_rise, ewma, log_cusum, page_hinkley, slope, "
-            "threshold"
+            "'thresh'; valid types: baseline, cusum, ema_rise, ewma, log_cusum, page_hinkley, "
+            "slope, threshold"
         ],
     ),
     (
