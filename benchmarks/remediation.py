@@ -1,11 +1,11 @@
 """Remediation on the test bed: fault runs with the default rules and actions on, against the
 clean run and the unremediated (detect-only) run of the same seed.
 
-Run: python benchmarks/remediation.py [--steps 1500] [--seeds 0 1 2] [--root out/lead_time]
+Run: python benchmarks/remediation.py [--steps 1500] [--seeds 0 1 2] [--root out/remediation_ref]
          [--out benchmarks/results/remediation.md]
 
-Clean and detect-only runs are taken from --root when benchmarks/lead_time.py recorded them
-(same steps), else run here. Reported per run: the actions applied, steps rolled back, the
+Clean and detect-only runs are recorded under --root (reused when recorded with the same
+steps). Reported per run: the actions applied, steps rolled back, the
 final loss (mean of the last 100 steps) against the clean run, the loss-divergence step with
 and without the agent, and for router faults the routing entropy at the end against the clean
 runs' band: [min, max] of the clean runs' end entropy over every clean seed recorded under
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--scenarios", nargs="+", default=["fa_precision", "router_instability"])
-    p.add_argument("--root", type=Path, default=Path("out/lead_time"))
+    p.add_argument("--root", type=Path, default=Path("out/remediation_ref"))
     p.add_argument("--work", type=Path, default=Path("out/remediation"))
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--router-lr-mult", type=float, default=None, help="router fault strength")

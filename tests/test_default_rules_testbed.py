@@ -1,22 +1,25 @@
-"""The shipped rule packs on live test-bed runs (shortened, fixed seed, detect-only): clean runs
-stay quiet, the attention fault is attributed to fa_precision and the router fault to
-router_instability, each before the loss degrades. benchmarks/lead_time.py runs the full
-version over five seeds and every scenario."""
+"""The shipped rule packs on live test-bed runs: a shortened version of the detection benchmark
+(benchmarks/detection.py runs the whole catalogue over the evaluation seeds). Detect-only, the
+catalogue's scenarios, shortened: a clean run stays quiet, a data shift is no mechanism fault,
+the attention fault is attributed to fa_precision before the loss detectors people use fire,
+the router fault (balancing loss on) to router_instability within 100 steps, both faults at
+once to combined."""
 
 from __future__ import annotations
 
-import pytest
-
-from agent.testbed.divergence import divergence_step
-from agent.testbed.scenarios import ScenarioConfig
+from agent.testbed.catalog import BY_NAME
+from agent.testbed.loss_baselines import earliest_loss_alarm
 from agent.testbed.supervised import default_agent_config, run_supervised
 
 
-def _detect(tmp_path, scenario: str, steps: int):
-    config = default_agent_config(
-        tmp_path / scenario, remediate=False, checkpoints={"enabled": False}
-    )
-    return run_supervised(ScenarioConfig.preset(scenario, seed=0, steps=steps), config)
+def _detect(tmp_path, name: str, steps: int, **knobs):
+    config = default_agent_config(tmp_path / name, remediate=False, checkpoints={"enabled": False})
+    scenario = BY_NAME[name].config(0, steps=steps).model_copy(update=knobs)
+    return run_supervised(scenario, config)
+
+
+def _families(result) -> set[str]:
+    return {i["family"] for i in result.incidents}
 
 
 def test_clean_run_raises_no_alert(tmp_path):
@@ -25,33 +28,37 @@ def test_clean_run_raises_no_alert(tmp_path):
     assert result.incidents == []
 
 
-def test_fa_fault_is_attributed_to_fa_precision_before_the_loss_moves(tmp_path):
-    result = _detect(tmp_path, "fa_precision", 900)
+def test_a_data_shift_is_not_taken_for_a_mechanism_fault(tmp_path):
+    result = _detect(tmp_path, "data_shift", 800, shift_step=600)
+    # The loss jumps and every update of the blocks collapses: an unattributed incident (a
+    # page about the loss), never fa_precision, though H(Delta_2) collapsed too.
+    assert "fa_precision" in result.first_alert
+    assert _families(result) == {"unattributed"}
+
+
+def test_fa_fault_is_attributed_before_the_loss_detectors_fire(tmp_path):
+    result = _detect(tmp_path, "fa_floor_6", 900)
     assert result.attribution == "fa_precision"
-    assert set(result.first_alert) == {"fa_precision"}  # the router family stayed quiet
+    assert "router_instability" not in result.first_alert  # the router family stayed quiet
     first = result.first_alert["fa_precision"]
+    loss_alarm, _ = earliest_loss_alarm(result.losses, min_step=result.fault_start)
     assert result.fault_start < first < 900
-    # The onset estimate lies between the fault and the alert.
+    assert loss_alarm is None or first < loss_alarm
     assert result.fault_start <= result.onset_step <= first
-    # When the alert fires the loss has not diverged (it may not have by the end either).
-    assert divergence_step(result.losses[: first + 1]) is None
     # Detect-only: the actions were proposed, not applied.
     assert result.actions and all(a["dry_run"] for a in result.actions)
     assert result.rolled_back_steps == 0
 
 
-def test_router_fault_is_attributed_to_router_instability(tmp_path):
-    result = _detect(tmp_path, "router_instability", 700)
+def test_router_fault_with_the_balancing_loss_on_is_caught_within_100_steps(tmp_path):
+    result = _detect(tmp_path, "router_x10", 700)
     assert result.attribution == "router_instability"
-    assert set(result.first_alert) == {"router_instability"}  # the FA family stayed quiet
-    first = result.first_alert["router_instability"]
-    assert result.fault_start < first <= result.fault_start + 150
-    assert divergence_step(result.losses) is None
+    assert "fa_precision" not in result.first_alert  # the FA family stayed quiet
+    assert result.fault_start < result.first_alert["router_instability"] <= result.fault_start + 100
 
 
-@pytest.mark.parametrize("scenario", ["combined"])
-def test_combined_fault_is_attributed_to_combined(tmp_path, scenario):
-    result = _detect(tmp_path, scenario, 1100)
+def test_combined_fault_is_attributed_to_combined(tmp_path):
+    result = _detect(tmp_path, "combined", 1000)
     assert result.attribution == "combined"
     assert {"fa_precision", "router_instability"} <= set(result.first_alert)
 

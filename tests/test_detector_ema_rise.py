@@ -35,3 +35,13 @@ def test_the_warmup_holds_it_and_falling_watches_the_running_maximum():
     assert fired(EMARiseDetector(span=1, warmup=5), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == [4, 5]
     d = EMARiseDetector(span=1, margin=0.5, warmup=1, direction="falling")
     assert fired(d, [1.0, 2.0, 1.6, 1.4, 2.5]) == [3] and d.baseline == 2.5
+
+
+def test_a_rollback_starts_it_over_the_abandoned_best_says_nothing():
+    d = EMARiseDetector(span=1, margin=0.1, warmup=3)
+    for step, v in enumerate([3.0, 2.5, 2.2, 2.0]):  # trained on to 2.0
+        d.update(step, v)
+    # Rolled back to step 2: the restored, earlier path's loss (2.3) is no damage.
+    assert not d.update(2, 2.3).triggered and not d.update(3, 2.25).triggered
+    assert not d.update(4, 2.2).triggered and d.baseline == 2.2
+    assert d.update(5, 2.4).triggered  # a real rise on the restored path still fires

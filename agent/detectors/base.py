@@ -205,6 +205,8 @@ class Detector(ABC):
         step = int(step)
         value = float(value)
         self._n_updates += 1
+        if self._last_step is not None and step < self._last_step:
+            self._rewound(step)
         self._last_step = step
         if math.isfinite(value):
             self._update_finite(step, value)
@@ -212,6 +214,10 @@ class Detector(ABC):
             self._n_nonfinite += 1
             self._update_nonfinite(step, value)
         return self
+
+    def _rewound(self, step: int) -> None:  # noqa: B027 - optional hook
+        """The series went back to ``step`` (the run was rolled back): a detector whose state
+        describes training progress (a running best) starts over here; default: nothing."""
 
     def reset(self) -> None:
         """Forget the current departure; keep what was learned (see each detector)."""

@@ -7,6 +7,10 @@ the detector triggers while it is more than ``margin`` (metric units: nats for a
 from it, after ``warmup`` values. Nothing is learned but the best level, so a series that only
 improves never fires, and one that gets worse by ``margin`` does, however slowly.
 
+After a rollback (a step earlier than the last one) it starts over, warm-up included: the best
+level of the abandoned path says nothing about the restored one (an earlier, less trained state
+has a higher loss, which is no damage).
+
 Onset: the first step of the current run of updates more than half the margin from the best
 level (as the ``baseline`` detector estimates it). Baseline: the best level. Statistic: the EMA
 minus the best level (signed). Non-finite values are gaps.
@@ -57,6 +61,10 @@ class EMARiseDetector(Detector):
         self._level: float | None = None  # the EMA
         self._best: float | None = None  # its best value so far
         self._since: int | None = None  # first step of the run beyond half the margin
+
+    def _rewound(self, step: int) -> None:
+        self._reset_state()
+        self._clear_verdict()
 
     @property
     def ready(self) -> bool:
