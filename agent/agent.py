@@ -50,6 +50,7 @@ from agent.eventlog import EVENT_LOG_FORMAT, EventLog
 from agent.failures import FailureLog
 from agent.incidents import Incident, IncidentEvent, RunContext
 from agent.measurements import Measurements
+from agent.metric_sinks import build_sinks, write_round
 from agent.monitor_thread import MonitorThread
 from agent.notify.base import Notifier
 from agent.notify.dispatcher import PageDispatcher
@@ -76,7 +77,8 @@ class Agent:
     these, through the durable outbox), ``checkpoints`` (a ``CheckpointStore`` for periodic
     checkpoints and rollback), ``attention_switch`` (the run's FP32-backward switch; default
     the process-wide ``remediations.attention.attention_precision``), ``actions`` (the action
-    registry, name -> class; default ``remediations.registry.ACTIONS``).
+    registry, name -> class; default ``remediations.registry.ACTIONS``), ``on_metrics``
+    (``fn(step, {name: value})`` for your own logger, ``agent.metric_sinks``).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Agent:
         checkpoints: CheckpointStore | None = None,
         attention_switch: AttentionPrecisionSwitch | None = None,
         actions: Mapping[str, type[Action]] | None = None,
+        on_metrics: Callable[[int, dict[str, float]], Any] | None = None,
     ) -> None:
         self.config = config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -120,6 +123,9 @@ class Agent:
         )
         self._guarded, self._write = self.failures.guarded, self.failures.write
         self.dispatcher = self._build_dispatcher(notifiers) if rank == 0 else None
+        self.metric_sinks = self._guarded(
+            "metrics", lambda: build_sinks(config.metrics, self.run_dir, on_metrics), []
+        )
 
         # Measurements (probes, monitors) on a monitor thread.
         self.thread = MonitorThread()
@@ -285,6 +291,10 @@ class Agent:
             if self._evaluations % self.config.metrics_every == 0:
                 samples = [[s.step, s.metric, s.label_dict, s.value] for s in new]
                 self._write("metrics", step, samples=samples)
+            for sink in self.metric_sinks:
+                self._guarded(
+                    f"metrics {type(sink).__name__}", lambda k=sink: write_round(k, new), None
+                )
             decisions = decide(
                 self.engine, self.attributor, self.pacing, step, new, time.time(), act=act
             )
@@ -471,6 +481,8 @@ class Agent:
         self._closed = True
         self._guarded("measurements", self.measurements.close, None)
         self.thread.shutdown()
+        for sink in self.metric_sinks:
+            self._guarded("metrics", sink.close, None)
         if self.checkpoints is not None:
             self._guarded("checkpoint", self.checkpoints.close, None)
         if self.dispatcher is not None:

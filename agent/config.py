@@ -102,6 +102,17 @@ class CheckpointConfig(_Strict):
     )
 
 
+class MetricsConfig(_Strict):
+    tensorboard: Path | None = Field(
+        None,
+        description="TensorBoard log dir for the agent's metrics (relative: under run_dir); "
+        "needs the tensorboard package; None: off",
+    )
+    wandb: bool = Field(
+        False, description="log the agent's metrics into the current wandb run (needs wandb)"
+    )
+
+
 class AgentConfig(_Strict):
     # Validation errors never echo inputs: a mistyped Slack key must not print the token.
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
@@ -122,6 +133,10 @@ class AgentConfig(_Strict):
     checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
     discovery: DiscoveryOverrides = Field(default_factory=DiscoveryOverrides)
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        description="where the agent's metrics go besides the event log (agent/metric_sinks.py)",
+    )
     metrics_every: int = Field(
         1, ge=1, description="write every n-th monitor evaluation's samples to the event log"
     )
