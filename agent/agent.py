@@ -53,7 +53,6 @@ from agent.measurements import Measurements
 from agent.metric_sinks import build_sinks, write_round
 from agent.monitor_thread import MonitorThread
 from agent.notify.base import Notifier
-from agent.notify.dispatcher import PageDispatcher
 from agent.notify.factory import build_dispatcher
 from agent.rules.engine import RuleEngine
 from agent.rules.loader import default_rule_files, load_rule_files
@@ -122,7 +121,13 @@ class Agent:
             self.events, lambda: -1 if self._last_step is None else self._last_step
         )
         self._guarded, self._write = self.failures.guarded, self.failures.write
-        self.dispatcher = self._build_dispatcher(notifiers) if rank == 0 else None
+        self.dispatcher = (
+            build_dispatcher(
+                config.notify, self.run_dir, event_log=self.events, notifiers=notifiers
+            )
+            if rank == 0
+            else None
+        )
         self.metric_sinks = self._guarded(
             "metrics", lambda: build_sinks(config.metrics, self.run_dir, on_metrics), []
         )
@@ -198,14 +203,6 @@ class Agent:
         from agent.config_file import load_agent_config
 
         return cls(model, optimizer, scheduler, load_agent_config(path), **kwargs)
-
-    def _build_dispatcher(self, notifiers: Sequence[Notifier] | None) -> PageDispatcher | None:
-        notify = self.config.notify
-        if notifiers is None:
-            return build_dispatcher(notify, self.run_dir, event_log=self.events)
-        if not notifiers:
-            return None
-        return PageDispatcher(list(notifiers), self.run_dir, delivery=notify.delivery)
 
     def _build_checkpoints(self, data_state, restore_data):
         cfg = self.config.checkpoints

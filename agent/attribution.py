@@ -8,23 +8,22 @@ Which families fire decides the attribution:
     both mechanism families               -> combined
     symptom evidence only (loss, NaN...)  -> unattributed
 
-Causal order: a mechanism's evidence that begins (its onset) at or after the incident's
-systemic change began is a *consequence*, kept as evidence but not a cause. Systemic evidence is
-symptom evidence that the whole run changed: the loss got worse (spike, rise, non-finite) or
-every update of a block collapsed at once (``control_update_entropy``: the differential
-diagnosis of DESIGN.md 1c: a biased attention backward moves only Q and K). So a router
-collapse that follows the damage of an attention fault leaves the incident ``fa_precision``
-(``combined`` means both mechanisms started on their own), and a QK collapse while the model
-relearns after a data shift leaves it ``unattributed``. Evidence of a family that is already a
-cause of the incident is a cause too.
+Causal order: a mechanism's evidence that is explained by a change of the whole run is a
+*consequence*, kept as evidence but not a cause. It is one when its alert fired (not its onset:
+a rate detector's onset can reach back into a slow drift well before the collapse)
 
-An incident opens when the first alert fires, collects evidence as more alerts fire (an
-unattributed incident is upgraded when mechanism evidence arrives; fa_precision or
-router_instability becomes combined when the other family joins), and resolves when none of its
-alerts fires. When it is paged again and which actions run is pacing's business
-(``remediations.pacing``), not attribution's.
-Everything is decided from the arguments (step, alerts): no clock, no randomness, so every rank
-of a distributed run reaches the same incidents.
+- at or after every update of a block collapsed at once (``control_update_entropy``: the
+  differential diagnosis of DESIGN.md 1c: a biased attention backward moves only Q and K; a
+  data shift, a schedule change or a phase transition moves every weight), or
+- at least ``consequence_lag`` steps (default 100) after the loss damage began (a loss spike,
+  rise or non-finite loss): damage needs time to feed back into a mechanism, and a collapse
+  that starts with the loss change is as likely its cause as its effect (a smaller batch
+  makes the loss noisier and collapses the router at once).
+
+So a QK collapse while the model relearns after a data shift leaves the incident
+``unattributed``, and a router collapse that follows the damage of an attention fault leaves
+it ``fa_precision`` (``combined`` means both mechanisms started on their own). Evidence of a
+family that is already a cause of the incident is a cause too.
 
 Confidence (documented heuristic, in [0, 1]): a mechanism family starts at 0.6, gains 0.1 per
 further distinct firing rule of that family (at most +0.2), 0.1 when the other mechanism family
@@ -42,7 +41,9 @@ from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
 
 MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 # Symptom evidence that the whole run changed (see the module docstring).
-SYSTEMIC_METRICS = frozenset({"loss", "loss_nonfinite", "control_update_entropy"})
+LOSS_METRICS = frozenset({"loss", "loss_nonfinite"})
+CONTROL_METRICS = frozenset({"control_update_entropy"})
+CONSEQUENCE_LAG = 100  # steps after the loss damage began from which a collapse is its effect
 _SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
 
@@ -87,23 +88,27 @@ def _causes(evidence: Any) -> set[str]:
     return {e.family for e in evidence if not e.consequence}
 
 
-def _damage_onset(evidence: list[Evidence]) -> int | None:
-    """When the incident's systemic change began: the earliest onset (else firing step) of its
-    systemic evidence; None without any."""
+def _systemic_onset(evidence: list[Evidence], metrics: frozenset[str]) -> int | None:
+    """When the incident's systemic change of one kind began: the earliest onset (else firing
+    step) of its symptom evidence on ``metrics``; None without any."""
     steps = [
         e.onset_step if e.onset_step is not None else e.fired_step
         for e in evidence
-        if e.family == "symptom" and e.metric in SYSTEMIC_METRICS
+        if e.family == "symptom" and e.metric in metrics
     ]
     return min(steps, default=None)
 
 
-def _after_damage(e: Evidence, damage: int | None) -> bool:
-    """Mechanism evidence that began at or after the systemic change began."""
-    if damage is None or e.family not in MECHANISM_FAMILIES:
+def _is_consequence(e: Evidence, evidence: list[Evidence], lag: int) -> bool:
+    """Mechanism evidence explained by a change of the whole run (see the module docstring)."""
+    if e.family not in MECHANISM_FAMILIES:
         return False
-    began = e.onset_step if e.onset_step is not None else e.fired_step
-    return began >= damage
+    began = e.fired_step
+    controls = _systemic_onset(evidence, CONTROL_METRICS)
+    loss = _systemic_onset(evidence, LOSS_METRICS)
+    return (controls is not None and began >= controls) or (
+        loss is not None and began >= loss + lag
+    )
 
 
 class Attributor:
@@ -115,8 +120,10 @@ class Attributor:
         *,
         monitored_families: set[str] | None = None,
         history: int = 50,
+        consequence_lag: int = CONSEQUENCE_LAG,
     ) -> None:
         self.context = context or RunContext()
+        self.consequence_lag = consequence_lag
         self.monitored = set(monitored_families or MECHANISM_FAMILIES)
         self.history = history
         self.open: Incident | None = None
@@ -182,13 +189,15 @@ class Attributor:
         incident = self.open
         assert incident is not None
         current = {(e.rule, tuple(sorted(e.labels.items()))): e for e in incident.evidence}
-        damage = _damage_onset([*incident.evidence, *firing])
+        everything = [*incident.evidence, *firing]
         for e in firing:
             key = (e.rule, tuple(sorted(e.labels.items())))
             old = current.get(key)
             causes = _causes(current.values())
             if (old is not None and old.consequence) or (
-                old is None and _after_damage(e, damage) and e.family not in causes
+                old is None
+                and e.family not in causes
+                and _is_consequence(e, everything, self.consequence_lag)
             ):
                 e = dataclasses.replace(e, consequence=True)
             current[key] = e

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from agent.attribution import Attributor, classify, confidence
 from agent.incidents import Evidence, RunContext
 
 
-def _alert(rule: str, family: str, onset: int | None = 100, layer: str = "l0") -> Evidence:
+def _alert(
+    rule: str, family: str, onset: int | None = 100, layer: str = "l0", fired: int = 200
+) -> Evidence:
     return Evidence(
         rule=rule,
         metric="m",
@@ -18,7 +22,7 @@ def _alert(rule: str, family: str, onset: int | None = 100, layer: str = "l0") -
         value=0.1,
         baseline=2.0,
         onset_step=onset,
-        fired_step=200,
+        fired_step=fired,
         suggest=f"fix {rule}",
     )
 
@@ -112,10 +116,11 @@ def _loss(rule: str, onset: int) -> Evidence:
 
 def test_a_collapse_after_the_loss_damage_is_a_consequence_not_combined():
     att = Attributor(RunContext(run_name="r"))
-    fa = _alert("qk", "fa_precision", onset=500)
+    fa = _alert("qk", "fa_precision", onset=500, fired=550)
     att.update(550, [fa])
     att.update(900, [fa, _loss("loss_rise", onset=850)])  # the fault damaged the loss
-    router = _alert("router", "router_instability", onset=950, layer="g0")
+    # The router's rate detector dates its onset back to a slow drift (600); it fired at 975.
+    router = _alert("router", "router_instability", onset=600, layer="g0", fired=975)
     events = att.update(1000, [fa, _loss("loss_rise", onset=850), router])
     inc = att.open
     assert inc.family == "fa_precision" and [e.kind for e in events] == ["updated"]
@@ -128,16 +133,40 @@ def test_a_collapse_after_the_loss_damage_is_a_consequence_not_combined():
 
 def test_two_mechanisms_that_began_before_any_loss_damage_are_combined():
     att = Attributor(RunContext(run_name="r"))
-    fa = _alert("qk", "fa_precision", onset=500)
-    router = _alert("router", "router_instability", onset=520, layer="g0")
+    fa = _alert("qk", "fa_precision", onset=500, fired=550)
+    router = _alert("router", "router_instability", onset=520, layer="g0", fired=575)
     att.update(550, [fa])
     events = att.update(575, [fa, router, _loss("loss_rise", onset=560)])
     assert [e.kind for e in events] == ["escalated"] and att.open.family == "combined"
 
 
-def test_a_qk_collapse_while_the_model_relearns_after_a_loss_jump_stays_unattributed():
+def _controls(onset: int) -> Evidence:
+    return dataclasses.replace(
+        _loss("block_update_collapse", onset),
+        metric="control_update_entropy",
+        labels={"layer": "l0"},
+    )
+
+
+def test_a_qk_collapse_with_the_whole_block_after_a_loss_jump_stays_unattributed():
     att = Attributor(RunContext(run_name="r"))
     att.update(910, [_loss("loss_spike", onset=900)])  # a data shift: the loss jumps first
-    events = att.update(950, [_loss("loss_spike", onset=900), _alert("qk", "fa_precision", 925)])
+    qk = _alert("qk", "fa_precision", 925, fired=930)
+    shift = [_loss("loss_spike", onset=900), _controls(925), qk]
+    events = att.update(950, shift)
     assert att.open.family == "unattributed" and [e.kind for e in events] == ["updated"]
     assert att.open.quiet_families == ["router_instability"]
+
+
+def test_a_collapse_that_begins_with_the_loss_change_is_still_a_cause():
+    """A smaller batch makes the loss noisier and collapses the router at once: no
+    consequence before the loss damage had ``consequence_lag`` steps to feed back."""
+    router = _alert("router", "router_instability", 525, fired=550)
+    att = Attributor(RunContext(run_name="r"))
+    att.update(510, [_loss("loss_spike", onset=500)])
+    att.update(550, [_loss("loss_spike", onset=500), router])
+    assert att.open.family == "router_instability"
+    strict = Attributor(RunContext(run_name="r"), consequence_lag=0)
+    strict.update(510, [_loss("loss_spike", onset=500)])
+    strict.update(550, [_loss("loss_spike", onset=500), router])
+    assert strict.open.family == "unattributed"

@@ -6,7 +6,7 @@ JSONL notifier whenever an event log is given (or ``notify.event_log`` names one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -74,10 +74,13 @@ def build_dispatcher(
     *,
     event_log: EventLog | None = None,
     env: Mapping[str, str] | None = None,
+    notifiers: Sequence[Notifier] | None = None,
 ) -> PageDispatcher | None:
-    """A started ``PageDispatcher`` over ``build_notifiers``; None if pages go nowhere."""
+    """A started ``PageDispatcher`` over ``notifiers`` (default: ``build_notifiers``); None
+    if pages go nowhere."""
     config = config or NotifyConfig()
-    notifiers = build_notifiers(config, run_dir, event_log=event_log, env=env)
+    if notifiers is None:
+        notifiers = build_notifiers(config, run_dir, event_log=event_log, env=env)
     if not notifiers:
         return None
-    return PageDispatcher(notifiers, run_dir, delivery=config.delivery)
+    return PageDispatcher(list(notifiers), run_dir, delivery=config.delivery)

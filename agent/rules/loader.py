@@ -37,6 +37,7 @@ ActionValidator = Callable[[str, dict[str, Any]], None]
 
 RULES_PACKAGE = "mechwatch_rules"
 RULE_FILE_SUFFIXES = (".yaml", ".yml")
+RULE_TEST_SUFFIXES = ("_test.yaml", "_test.yml")  # unit tests of rule files, not rule files
 _KEY = "[key]"  # pydantic's marker for an error in a mapping key
 
 # Metric names the built-in monitors produce (the str constants of agent/samples.py).
@@ -45,10 +46,21 @@ KNOWN_METRICS: frozenset[str] = frozenset(
 )
 
 
+def is_rule_test_file(name: str | Path) -> bool:
+    """Whether a file is a rule unit-test file (``*_test.yaml``, ``mechwatch test``), which
+    sits next to the rule files it tests but is not one."""
+    return Path(name).name.endswith(RULE_TEST_SUFFIXES)
+
+
 def default_rule_files() -> list[Path]:
-    """The shipped rule packs: ``*.yaml`` in the installed ``mechwatch_rules`` package."""
+    """The shipped rule packs: ``*.yaml`` in the installed ``mechwatch_rules`` package, without
+    their unit tests (``*_test.yaml``)."""
     root = importlib.resources.files(RULES_PACKAGE)
-    files = [Path(str(entry)) for entry in root.iterdir() if entry.name.endswith(".yaml")]
+    files = [
+        Path(str(entry))
+        for entry in root.iterdir()
+        if entry.name.endswith(".yaml") and not is_rule_test_file(entry.name)
+    ]
     return sorted(files)
 
 
@@ -58,7 +70,8 @@ def load_rule_files(
     *,
     detectors: DetectorCatalog | None = None,
 ) -> RuleSet:
-    """Load and check rule files (a directory means its ``*.yaml``/``*.yml``, sorted).
+    """Load and check rule files (a directory means its ``*.yaml``/``*.yml``, sorted, without
+    the unit-test files ``*_test.yaml`` that sit next to them).
 
     ``action_validator(name, params)`` checks each action against the action registry; by
     default only the syntax of ``actions`` is checked. ``detectors`` defaults to the registry
@@ -69,7 +82,11 @@ def load_rule_files(
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            files += [str(f) for f in sorted(path.iterdir()) if f.suffix in RULE_FILE_SUFFIXES]
+            files += [
+                str(f)
+                for f in sorted(path.iterdir())
+                if f.suffix in RULE_FILE_SUFFIXES and not is_rule_test_file(f)
+            ]
         else:
             files.append(str(p))
     loader = _RuleSetLoader(catalog, action_validator)
@@ -310,8 +327,8 @@ class _FileContext:
         node_path = prefix + tuple(part for part in loc if part != _KEY)
         kind = err["type"]
         if kind == "extra_forbidden":
-            valid = [*extra_fields, *_fields_at(model, loc[:-1])]
-            message = _unknown_field_message(str(loc[-1]), valid)
+            valid = [*extra_fields, *fields_at(model, loc[:-1])]
+            message = unknown_field_message(str(loc[-1]), valid)
             return self.error(node_path, message, key=True)
         if kind == "missing":
             return self.error(node_path, "missing required field")
@@ -397,7 +414,7 @@ def pydantic_message(err: Mapping[str, Any]) -> str:
     return f"{err['msg']}, got {got}"
 
 
-def _unknown_field_message(key: str, valid: list[str]) -> str:
+def unknown_field_message(key: str, valid: list[str]) -> str:
     if not valid:
         return "unknown field"
     close = difflib.get_close_matches(key, valid, n=1)
@@ -406,7 +423,7 @@ def _unknown_field_message(key: str, valid: list[str]) -> str:
     return f"unknown field; valid fields: {', '.join(valid)}"
 
 
-def _fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]:
+def fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]:
     """Field names (aliases) of the model found by following ``loc`` from ``model``."""
     current: Any = model
     for part in loc:
