@@ -158,6 +158,15 @@ class Attributor:
             return [self._event("updated", step, "new evidence: " + ", ".join(sorted(new_rules)))]
         return []
 
+    def causes(self, rule: str) -> bool:
+        """Whether ``rule`` is a cause of the open incident (some of its evidence is not a
+        consequence): only a cause's actions run; a consequence's remedy targets a mechanism
+        that did not start the fault (a data shift's QK collapse must not roll the run back)."""
+        if self.open is None:
+            return True
+        evidence = [e for e in self.open.evidence if e.rule == rule]
+        return not evidence or any(not e.consequence for e in evidence)
+
     def repeat(self, step: int) -> IncidentEvent | None:
         """A "still firing" event for the open incident (pacing says when)."""
         return self._event("repeat", step, "still firing") if self.open is not None else None

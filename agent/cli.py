@@ -12,7 +12,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("agent.demo:cli_demo", "watch the agent catch, attribute and fix a fault"),
     "validate": ("agent.cli:validate", "check rule files; print every error"),
     "rules": ("agent.cli:list_rules", "list the loaded rules"),
+    "test": ("agent.cli:test_rules", "run rule unit tests (*_test.yaml)"),
+    "explain": ("agent.cli:explain_rule", "say in words what a rule watches and does"),
     "replay": ("agent.replay:cli_replay", "replay a recorded run through rule files"),
+    "report": ("agent.report.build:cli_report", "an HTML report of a run from its event log"),
     "slack-test": ("agent.notify.slack_test:cli_slack_test", "send a test page"),
     "testbed": ("agent.testbed.cli:cli_testbed", "run one fault-injection scenario"),
 }
@@ -31,6 +34,34 @@ def list_rules(argv: list[str]) -> int:
     from remediations.registry import validate_action
 
     return cli_list(argv, action_validator=validate_action)
+
+
+def test_rules(argv: list[str]) -> int:
+    """``mechwatch test``: the rules' actions checked and paced as the agent does."""
+    from agent.rules.unit_tests import cli_test
+    from remediations.base import ActionContext
+    from remediations.registry import validate_action
+    from remediations.runner import ActionRunner
+
+    runner = ActionRunner(lambda: ActionContext(step=0))  # only asked for pacing limits
+    return cli_test(argv, limits_of=runner.limits_of, action_validator=validate_action)
+
+
+def explain_rule(argv: list[str]) -> int:
+    """``mechwatch explain``: each action's pacing and the first line of its docstring."""
+    from agent.rules.explain import cli_explain
+    from remediations.base import ActionContext
+    from remediations.registry import action_class, validate_action
+    from remediations.runner import ActionRunner
+
+    def action_doc(name: str) -> str:
+        doc = (action_class(name).__doc__ or "").strip().splitlines()
+        return doc[0].replace("``", "") if doc else ""
+
+    runner = ActionRunner(lambda: ActionContext(step=0))  # only asked for pacing limits
+    return cli_explain(
+        argv, limits_of=runner.limits_of, action_doc=action_doc, action_validator=validate_action
+    )
 
 
 def _resolve(target: str) -> Callable[[list[str]], int]:

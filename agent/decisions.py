@@ -4,7 +4,8 @@ the samples, the step, ``now`` and the rules, never on a clock read here or on t
 
     samples -> series store -> rule engine (detectors, alert lifecycle)
             -> attribution (incidents and their events)
-            -> pacing (the repeat page; which of the firing rules' actions run now)
+            -> pacing (the repeat page; which actions of the firing rules that are causes of
+               the incident, not consequences, run now)
 
 The caller runs the admitted actions (``remediations.runner``) and tells pacing what came of
 them (``Pacing.ran``); replay runs none.
@@ -63,6 +64,11 @@ def decide(
             pacing.paged(event.incident.id, now)
     if not act:
         return out
-    requests = [(a.rule, [(s.name, s.params) for s in a.actions]) for a in firing]
+    # Only the causes' actions: a consequence's remedy targets the wrong mechanism.
+    requests = [
+        (a.rule, [(s.name, s.params) for s in a.actions])
+        for a in firing
+        if attributor.causes(a.rule)
+    ]
     out.admissions = pacing.round(step, requests, incident.id if incident is not None else None)
     return out

@@ -1,5 +1,5 @@
 """``mechwatch demo``: a test-bed run goes bad silently, the agent notices early, says why,
-fixes it and pages; then a picture shows it.
+fixes it and pages; then a picture and a report (``mechwatch report``) show it.
 
 Runs on CPU. Pages go to the console unless Slack is configured in the environment
 (``SLACK_BOT_TOKEN`` + ``MECHWATCH_SLACK_CHANNEL``, or ``SLACK_WEBHOOK_URL``), then to Slack.
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from agent.eventlog import read_events
+from agent.notify.action_text import action_sentence
+from agent.notify.console import STATUS_LINE
+from agent.report.build import build_report
+from agent.report.figures import draw_path
+from agent.report.markers import Mark, draw_marks, title_above
+from agent.report.timeline import read_timeline
 from agent.testbed.scenarios import ScenarioConfig
 from agent.testbed.supervised import (
     SupervisedResult,
@@ -50,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _progress_printer(total: int):
+    """The progress bar, drawn through the console's status line: a page printed meanwhile
+    (on the dispatcher's thread) ends the bar's line first and redraws it below the page."""
     start = time.perf_counter()
 
     def show(step: int, loss: float, agent: Any) -> None:
@@ -60,10 +65,9 @@ def _progress_printer(total: int):
         done = int(30 * (step + 1) / total)
         bar = "#" * done + "." * (30 - done)
         elapsed = time.perf_counter() - start
-        sys.stdout.write(
-            f"\r[{bar}] step {step + 1:>5}/{total}  loss {loss:6.3f}  {state:<32} {elapsed:5.0f}s"
+        STATUS_LINE.show(
+            f"[{bar}] step {step + 1:>5}/{total}  loss {loss:6.3f}  {state:<32} {elapsed:5.0f}s"
         )
-        sys.stdout.flush()
 
     return show
 
@@ -88,8 +92,10 @@ def run_demo(argv: list[str] | None = None) -> int:
         remediate=remediate,
         notify={"console": "auto", "event_log": None},
     )
-    result = run_supervised(scenario, config, progress=_progress_printer(steps))
-    print()
+    try:
+        result = run_supervised(scenario, config, progress=_progress_printer(steps))
+    finally:
+        STATUS_LINE.end()
     baselines: dict[str, SupervisedResult] = {}
     if args.compare:
         for name, scen in (
@@ -103,18 +109,42 @@ def run_demo(argv: list[str] | None = None) -> int:
                 checkpoints={"enabled": False},
             )
             baselines[name] = run_supervised(scen, ref_cfg)
-    summary = _summary(result, baselines, fault_start)
+    events = args.out / "agent" / "events.jsonl"
+    summary = _summary(result, baselines, fault_start, read_timeline(events).actions)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    picture = plot_demo(args.out / "agent" / "events.jsonl", result, args.out / "report.png")
+    picture = plot_demo(events, result, args.out / "report.png")
+    report = build_report(events, args.out / "report.html", args.out / "report_overview.png")
     _print_summary(summary)
-    print(f"event log: {args.out / 'agent' / 'events.jsonl'}\npicture:   {picture}")
+    print(f"event log: {events}\npicture:   {picture}\nreport:    {report.html}")
     return 0
 
 
 def _summary(
-    result: SupervisedResult, baselines: dict[str, SupervisedResult], fault_start: int
+    result: SupervisedResult,
+    baselines: dict[str, SupervisedResult],
+    fault_start: int,
+    action_records: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    """``action_records``: the run's action records from its event log (before/after values
+    make the sentences)."""
     first_alert = min(result.first_alert.values()) if result.first_alert else None
+    actions = [
+        {
+            "step": a["step"],
+            "action": a["action"],
+            "dry_run": a.get("dry_run", False),
+            "detail": a.get("detail", ""),
+            "sentence": action_sentence(
+                a["action"],
+                a.get("detail", ""),
+                a.get("before"),
+                a.get("after"),
+                dry_run=bool(a.get("dry_run")),
+            ),
+        }
+        for a in action_records
+        if a.get("status") in ("applied", "dry_run")
+    ]
     out: dict[str, Any] = {
         "scenario": result.scenario,
         "seed": result.seed,
@@ -124,7 +154,7 @@ def _summary(
         "first_alert_by_family": result.first_alert,
         "onset_step": result.onset_step,
         "attribution": result.attribution,
-        "actions": [a for a in result.actions if a.get("status") in ("applied", "dry_run")],
+        "actions": actions,
         "rolled_back_steps": result.rolled_back_steps,
         "halted": result.halted,
         "final_loss": round(result.final_loss(), 4),
@@ -146,8 +176,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"estimated onset step        {s['onset_step']}")
     print(f"attribution                 {s['attribution']}")
     for a in s["actions"]:
-        mark = "(dry run) " if a.get("dry_run") else ""
-        print(f"action at step {a['step']:<6}      {mark}{a['action']}: {a['detail']}")
+        print(f"action at step {a['step']:<6}      {a['action']}: {a['sentence']}")
     print(f"steps rolled back           {s['rolled_back_steps']}")
     print(f"loss divergence step        {s['loss_divergence_step']}")
     if "loss_divergence_step_without_agent" in s:
@@ -169,18 +198,9 @@ def plot_demo(events_path: Path, result: SupervisedResult, png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # One segment per trajectory: a rollback makes the steps go back, and the abandoned path
-    # (the collapse that triggered it) is drawn faded next to the path the run continued on.
-    segments: list[dict] = []
-    last_step = None
-    for e in read_events(events_path, kinds=("metrics",)):
-        if last_step is None or e["step"] < last_step:
-            segments.append(defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
-        last_step = e["step"]
-        for step, metric, labels, value in e["samples"]:
-            name = labels.get("layer") or labels.get("router")
-            if metric in ("qk_delta2_entropy", "dwq_entropy", "router_entropy_norm"):
-                segments[-1][metric][name][step].append(value)
+    # A rollback makes the steps go back: the abandoned path (the collapse that triggered it)
+    # is drawn faded next to the path the run kept (agent.report.timeline).
+    series = read_timeline(events_path).series
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     axes[0].plot(range(len(result.losses)), result.losses, lw=0.6, color="black")
     axes[0].set_ylabel("loss (nats)")
@@ -191,53 +211,25 @@ def plot_demo(events_path: Path, result: SupervisedResult, png: Path) -> Path:
     )
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, metric, label in panels:
-        for index, segment in enumerate(segments):
-            final = index == len(segments) - 1
-            for k, (name, points) in enumerate(sorted(segment[metric].items())):
-                steps = sorted(points)
-                values = [sum(points[t]) / len(points[t]) for t in steps]
-                ax.plot(
-                    steps,
-                    values,
-                    lw=1.0,
-                    color=colors[k % len(colors)],
-                    alpha=1.0 if final else 0.45,
-                    ls="-" if final else "--",
-                    label=name if final else None,
-                )
+        for k, (place, path) in enumerate(series.get(metric, {}).items()):
+            draw_path(ax, path, colors[k % len(colors)], place)
         ax.set_ylabel(label)
         ax.legend(fontsize=7, loc="lower left")
-    marks = [(result.fault_start, "fault on", "red")]
+    marks = [Mark(result.fault_start, "fault on", "red")]
     if result.onset_step is not None:
-        marks.append((result.onset_step, "onset", "orange"))
+        marks.append(Mark(result.onset_step, "onset", "orange"))
     if result.first_alert:
-        marks.append((min(result.first_alert.values()), "first alert", "purple"))
+        marks.append(Mark(min(result.first_alert.values()), "first alert", "purple"))
     for a in result.actions:
         if a.get("status") == "applied":
-            marks.append((a["step"], a["action"], "green"))
-    for ax in axes:
-        for step, _, color in marks:
-            if step is not None:
-                ax.axvline(step, color=color, ls="--", lw=0.8)
-    for step, text, color in marks:
-        if step is not None:
-            axes[0].annotate(
-                text,
-                (step, 1.0),
-                xycoords=("data", "axes fraction"),
-                rotation=90,
-                va="top",
-                ha="right",
-                fontsize=7,
-                color=color,
-            )
+            marks.append(Mark(a["step"], a["action"], "green"))
     axes[-1].set_xlabel("step")
-    fig.suptitle(
-        f"mechwatch demo: {result.scenario}, seed {result.seed} (attributed: {result.attribution})"
-    )
     fig.tight_layout()
+    labels = draw_marks(axes, [m for m in marks if m.step is not None])  # never overlapping
+    title = f"mechwatch demo: {result.scenario}, seed {result.seed}"
+    title_above(fig, axes[0], labels, f"{title} (attributed: {result.attribution})")
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return png
 

@@ -75,6 +75,8 @@ def latest_allowed_step(onset_step: int, margin_steps: int) -> int:
 
 
 class RollbackAction(Action):
+    """Restore the newest verified, known-good checkpoint from before the fault's onset."""
+
     name: ClassVar[str] = "rollback"
     Params: ClassVar[type[ActionParams]] = RollbackParams
 

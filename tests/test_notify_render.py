@@ -104,8 +104,9 @@ def test_replies_are_about_their_event() -> None:
     assert blocks[0]["text"]["text"].endswith("Action · attention_fp32_backward, rollback")
     taken = next(s for s in _section_texts(blocks) if s.startswith("*Actions taken"))
     assert "`attention_fp32_backward` at step 5,201: done" in taken
-    assert "attention_backward: bf16 → fp32" in taken
-    assert "step: 5201 → 4500" in taken
+    assert "attention_backward: bf16 → fp32" in taken  # an unknown record: what changed
+    assert "rolled back from step 5201 to the checkpoint of step 4500" in taken  # in words
+    assert "Applied the rule's actions." not in _texts(blocks)  # the lines say it already
     assert "Evidence" not in _texts(blocks)  # a reply is short
     blocks = render_blocks(resolved)
     assert "Resolved · fa_precision at step 6,000" in blocks[0]["text"]["text"]

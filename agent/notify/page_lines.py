@@ -1,6 +1,7 @@
 """The wording shared by a page's Block Kit and plain-text forms: numbers and steps, one
-line per evidence group, per action and per suggestion (``mrkdwn=True`` escapes user text for
-Slack), and where a repeat or a resolution sits in the run.
+line per evidence group, per action (what it did, as a sentence: ``agent.notify.action_text``)
+and per suggestion (``mrkdwn=True`` escapes user text for Slack), and where a repeat or a
+resolution sits in the run.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent.incidents import ActionRecord, Evidence, Incident, IncidentEvent
+from agent.notify.action_text import record_sentence
 
 ELLIPSIS = "…"
 
@@ -147,16 +149,8 @@ def action_line(action: ActionRecord, *, mrkdwn: bool) -> str:
     else:
         status = "FAILED"
     line = f"{quote(action.action)} at step {format_step(action.step)}: {status}"
-    if action.detail:
-        line += f" — {esc(action.detail)}"
-    changes = [
-        f"{k}: {action.before.get(k, '?')} → {action.after[k]}"
-        for k in sorted(action.after)
-        if action.before.get(k) != action.after[k]
-    ]
-    if changes:
-        line += f" ({esc('; '.join(changes))})"
-    return line
+    sentence = record_sentence(action)  # what it did, in words (agent.notify.action_text)
+    return line + (f" — {esc(sentence)}" if sentence else "")
 
 
 def actions_for_event(event: IncidentEvent) -> list[ActionRecord]:

@@ -216,7 +216,7 @@ def render_blocks(event: IncidentEvent, *, threaded: bool = True) -> list[dict[s
                 f"opened at step {format_step(inc.opened_step)})"
             )
         )
-    if event.message:
+    if event.message and event.kind != "action":  # an action's line says it in words
         blocks.append(_section(escape_mrkdwn(event.message)))
 
     if event.kind == "opened":
@@ -288,7 +288,7 @@ def render_text(event: IncidentEvent, *, limit: int | None = MAX_FALLBACK_TEXT) 
     """Plain text: Slack's notification/fallback text, and what the console prints."""
     inc = event.incident
     lines = [_plain_title(event)]
-    if event.message:
+    if event.message and event.kind != "action":
         lines.append(event.message)
     show_evidence = event.kind in ("opened", "escalated", "updated", "repeat")
     if show_evidence and inc.evidence:

@@ -56,12 +56,8 @@ def default_rule_files() -> list[Path]:
     """The shipped rule packs: ``*.yaml`` in the installed ``mechwatch_rules`` package, without
     their unit tests (``*_test.yaml``)."""
     root = importlib.resources.files(RULES_PACKAGE)
-    files = [
-        Path(str(entry))
-        for entry in root.iterdir()
-        if entry.name.endswith(".yaml") and not is_rule_test_file(entry.name)
-    ]
-    return sorted(files)
+    files = [Path(str(entry)) for entry in root.iterdir() if entry.name.endswith(".yaml")]
+    return sorted(f for f in files if not is_rule_test_file(f))
 
 
 def load_rule_files(
@@ -82,11 +78,8 @@ def load_rule_files(
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            files += [
-                str(f)
-                for f in sorted(path.iterdir())
-                if f.suffix in RULE_FILE_SUFFIXES and not is_rule_test_file(f)
-            ]
+            found = [f for f in sorted(path.iterdir()) if f.suffix in RULE_FILE_SUFFIXES]
+            files += [str(f) for f in found if not is_rule_test_file(f)]
         else:
             files.append(str(p))
     loader = _RuleSetLoader(catalog, action_validator)

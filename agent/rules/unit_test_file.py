@@ -47,6 +47,7 @@ from agent.rules.errors import RuleFileError, RuleFileErrors
 from agent.rules.loader import (
     ActionValidator,
     fields_at,
+    is_rule_test_file,
     load_rule_files,
     pydantic_message,
     unknown_field_message,
@@ -134,9 +135,17 @@ class TestCaseSpec(_Strict):
     actions_at: dict[Step, ActionList] = Field(default_factory=dict)
 
 
-class TestFileSpec(_Strict):
+class _FileHead(_Strict):
+    """A test file with its tests not checked yet (each is checked on its own)."""
+
     rule_files: list[str] = Field(min_length=1, description="rule files, relative to this file")
     interval: int = Field(1, ge=1, description="steps between two values of every series")
+    tests: list[Any] = Field(min_length=1, description="the tests")
+
+
+class TestFileSpec(_FileHead):
+    """A whole test file."""
+
     tests: list[TestCaseSpec] = Field(min_length=1, description="the tests")
 
 
@@ -222,10 +231,18 @@ def load_test_file(
     if context.errors:
         raise RuleFileErrors(context.errors)
     try:
-        spec = TestFileSpec.model_validate(doc.data)
+        head = _FileHead.model_validate(doc.data)
     except ValidationError as e:
         raise RuleFileErrors([context.pydantic_error(err) for err in e.errors()]) from None
-    rule_paths = _rule_paths(spec.rule_files, Path(name).parent, context)
+    specs: list[tuple[int, TestCaseSpec]] = []
+    for i, raw in enumerate(head.tests):
+        try:
+            specs.append((i, TestCaseSpec.model_validate(raw)))
+        except ValidationError as e:
+            context.errors += [context.pydantic_error(err, ("tests", i)) for err in e.errors()]
+    unresolved = len(context.errors)
+    rule_paths = _rule_paths(head.rule_files, Path(name).parent, context)
+    resolved = len(context.errors) == unresolved  # every entry of rule_files names files
     ruleset, rule_errors = RuleSet(()), []
     if rule_paths:
         try:
@@ -234,27 +251,28 @@ def load_test_file(
             rule_errors = e.errors
     loaded = RuleTestFile(name, ruleset)
     first_at: dict[str, str] = {}
-    for i, test_spec in enumerate(spec.tests):
-        test = _resolve_test(test_spec, ("tests", i), spec.interval, context)
+    for i, test_spec in specs:
+        test = _resolve_test(test_spec, ("tests", i), head.interval, context)
         if test_spec.name in first_at:
             message = f"duplicate test name; first at {first_at[test_spec.name]}"
             context.add(("tests", i, "name"), message)
         first_at.setdefault(test_spec.name, test.where)
-        if not rule_errors and rule_paths:  # names are checked against rules that loaded
+        if resolved and not rule_errors:  # names are checked against every rule, loaded
             _check_names(test_spec, ("tests", i), ruleset, context)
         loaded.tests.append(test)
     if context.errors or rule_errors:
-        raise RuleFileErrors([*context.errors, *rule_errors])
+        raise RuleFileErrors([*sorted(context.errors, key=RuleFileError.sort_key), *rule_errors])
     return loaded
 
 
 def _rule_paths(entries: Sequence[str], base: Path, context: _Context) -> list[Path]:
-    """The rule files named by ``rule_files``, relative to the test file's folder."""
+    """The rule files named by ``rule_files``, relative to the test file's folder (a glob
+    skips test files: ``*.yaml`` names the rule files beside this one, not this one)."""
     paths: list[Path] = []
     for i, entry in enumerate(entries):
         pattern = entry if Path(entry).is_absolute() else str(base / entry)
         if glob.has_magic(entry):
-            found = sorted(Path(p) for p in glob.glob(pattern))
+            found = sorted(Path(p) for p in glob.glob(pattern) if not is_rule_test_file(p))
             if not found:
                 context.add(("rule_files", i), f"no file matches {pattern}")
             paths += found
@@ -375,8 +393,8 @@ class _Context:
             column = start + offset + 1  # else (folded, escaped): the scalar's own position
         self.add(node_path, message, position=(line, column))
 
-    def pydantic_error(self, err: Any) -> RuleTestFileError:
-        loc = tuple(err["loc"])
+    def pydantic_error(self, err: Any, prefix: NodePath = ()) -> RuleTestFileError:
+        loc = prefix + tuple(err["loc"])
         node_path = tuple(part for part in loc if part != _KEY)
         if err["type"] == "extra_forbidden":
             valid = fields_at(TestFileSpec, loc[:-1])
