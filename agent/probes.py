@@ -1,9 +1,10 @@
 """Probes: how the agent measures a live model without slowing it down.
 
-``RouterProbe``: a forward hook per router reduces the routing logits *on the device* to a few
+``RouterProbe``: a forward pre-hook per router computes the routing logits from the router's
+own input (z = x W^T + b, ``agent.router_output``) and reduces them *on the device* to a few
 running sums (entropy, p10, margin, expert load); nothing is kept, nothing is copied to the
 host. ``read()`` turns the sums into samples with one host transfer for all routers, every
-``router_every`` steps.
+``router_every`` steps, and names (once) every router that has produced no data.
 
 ``QKSnapshots``: every ``delta`` steps, fp32 copies of the Q/K projection weights (and of the
 layer's control matrices, ``agent.discovery.controls``) of the layers sampled for the next
@@ -23,6 +24,7 @@ see the mean of the heads sampled in that evaluation.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +42,7 @@ from agent.monitors import (
     spectrum_stats,
     update_spectrum,
 )
-from agent.router_output import extract_router_logits
+from agent.router_output import router_input, router_logits
 from agent.samples import Sample
 
 # Running sums kept per router, in this order: entropy mean, normalized entropy, p10, margin,
@@ -49,54 +51,105 @@ _ROUTER_SUMS = 5
 
 
 class RouterProbe:
-    """Device-side routing statistics for every discovered router."""
+    """Device-side routing statistics for every discovered router.
+
+    The logits are computed in the hooks from the router's input and weight, z = x W^T + b,
+    never guessed from what the router returns (Llama 4 returns sigmoid scores first). A
+    forward pre-hook on the router module does it; when the weight is applied by the router's
+    parent (``RouterSite.owner``, e.g. ``F.linear(x, self.classifier.weight)``), the parent is
+    hooked too and uses its own input whenever the router module was not called during its
+    forward. Only training-mode forwards count.
+    """
 
     def __init__(self, sites: list[RouterSite], default_top_k: int = 1) -> None:
         self.sites = sites
         self.default_top_k = default_top_k
         self._sums: list[torch.Tensor | None] = [None] * len(sites)  # (_ROUTER_SUMS,) each
         self._load: list[torch.Tensor | None] = [None] * len(sites)  # (E,) summed load fractions
+        self._called = [False] * len(sites)  # router module called in its owner's forward
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._checked = False  # the first read-out named the routers without data
         self.errors: list[str] = []
 
     def attach(self) -> None:
         if self._handles:
             return
         for i, site in enumerate(self.sites):
-            self._handles.append(site.module.register_forward_hook(self._hook(i, site)))
+            hook = self._router_hook(i, site)
+            self._handles.append(site.module.register_forward_pre_hook(hook, with_kwargs=True))
+            if site.owner is not None:
+                self._handles += [
+                    site.owner.register_forward_pre_hook(self._owner_enter(i)),
+                    site.owner.register_forward_hook(self._owner_exit(i, site), with_kwargs=True),
+                ]
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, index: int, site: RouterSite):
-        top_k = site.top_k or self.default_top_k
-
-        def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
-            if not module.training:
-                return  # evaluation passes would mix another distribution into the window
-            try:
-                logits = extract_router_logits(output, site.num_experts)
-                if logits is None or logits.numel() == 0:
-                    return
-                with torch.no_grad():
-                    ent, load = routing_stats(logits, top_k)
-                    one = torch.ones((), dtype=ent.mean.dtype, device=ent.mean.device)
-                    row = torch.stack([ent.mean, ent.normalized, ent.p10, load.margin, one])
-                    if self._sums[index] is None:
-                        self._sums[index] = torch.zeros_like(row)
-                        self._load[index] = torch.zeros_like(load.load)
-                    self._sums[index].add_(row)
-                    self._load[index].add_(load.load)
-            except Exception as exc:  # never break the user's forward
-                if len(self.errors) < 10:
-                    self.errors.append(f"router probe {site.name}: {exc!r}")
+    def _router_hook(self, index: int, site: RouterSite):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self._called[index] = True
+            if module.training:  # evaluation passes would mix another distribution in
+                self._record(index, site, args, kwargs)
 
         return hook
 
+    def _owner_enter(self, index: int):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            self._called[index] = False
+
+        return hook
+
+    def _owner_exit(self, index: int, site: RouterSite):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if not self._called[index] and module.training:
+                self._record(index, site, args, kwargs)
+
+        return hook
+
+    def _record(self, index: int, site: RouterSite, args: tuple, kwargs: dict) -> None:
+        """Add one forward's statistics of z = x W^T + b to the router's sums (on the device)."""
+        top_k = site.top_k or self.default_top_k
+        try:
+            x = router_input(args, kwargs, site.d_model)  # (..., d)
+            if x is None or x.numel() == 0:
+                return
+            with torch.no_grad():
+                logits = router_logits(x, site.weight(), site.bias())  # (tokens, E)
+                ent, load = routing_stats(logits, top_k)
+                one = torch.ones((), dtype=ent.mean.dtype, device=ent.mean.device)
+                row = torch.stack([ent.mean, ent.normalized, ent.p10, load.margin, one])
+                if self._sums[index] is None:
+                    self._sums[index] = torch.zeros_like(row)
+                    self._load[index] = torch.zeros_like(load.load)
+                self._sums[index].add_(row)
+                self._load[index].add_(load.load)
+        except Exception as exc:  # never break the user's forward
+            if len(self.errors) < 10:
+                self.errors.append(f"router probe {site.name}: {exc!r}")
+
+    def _name_silent_routers(self) -> None:
+        """Once, at the first read-out: warn about every router that produced no data."""
+        self._checked = True
+        pairs = zip(self.sites, self._sums, strict=True)
+        silent = [site.name for site, sums in pairs if sums is None]
+        if not silent:
+            return
+        message = (
+            f"mechwatch router probe: no routing data from {', '.join(silent)} by the first "
+            "read-out: the router module was never called in a training forward with an input "
+            "of its width (a router applied functionally by a module other than its parent, or "
+            "never run); its router metrics stay empty"
+        )
+        warnings.warn(message, stacklevel=3)
+        self.errors.append(message)
+
     def read(self, step: int) -> list[Sample]:
         """Samples for the window since the last read (one host transfer), then reset."""
+        if not self._checked:
+            self._name_silent_routers()
         rows, names = [], []
         for i, site in enumerate(self.sites):
             sums, load = self._sums[i], self._load[i]

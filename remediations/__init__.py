@@ -19,6 +19,8 @@ __all__, __getattr__ = lazy_exports(
         "scaled_dot_product_attention": ".fp32_attention",
         "fp32_backward_attention": ".fp32_attention",
         "install_hf_attention": ".hf_attention",
+        "uninstall_hf_attention": ".hf_attention",
+        "install_sdpa_redirect": ".sdpa_redirect",
         "LRControl": ".lr",
         "TrainingHalted": ".halt",
         "HyperparameterRequests": ".hparams",

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -90,6 +91,7 @@ class Zygote:
             text=True,
             bufsize=1,
         )
+        self._pending = b""  # bytes read from the zygote's stdout, not yet a whole line
 
     def ask(self, command: str, answer: str) -> list[str]:
         assert self.proc.stdin is not None
@@ -97,16 +99,33 @@ class Zygote:
         self.proc.stdin.flush()
         return self.expect(answer)
 
-    def expect(self, answer: str) -> list[str]:
+    def expect(self, answer: str, timeout_s: float = 60.0) -> list[str]:
         """The next line that starts with ``answer`` (a trainer killed before the test waited
-        for its "ready" may have said it anyway)."""
-        assert self.proc.stdout is not None
+        for its "ready" may have said it anyway). A trainer that died on an exception never
+        says "ready": fail after ``timeout_s`` instead of waiting forever (its traceback is in
+        the captured stderr)."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            words = self.proc.stdout.readline().split()
+            words = self._line(answer, deadline).split()
             assert words, f"the zygote ended while the test waited for {answer!r}"
             if words[0] == answer:
                 return words
             assert words[0] == "ready", f"unexpected line {words!r}"
+
+    def _line(self, answer: str, deadline: float) -> str:
+        """The next line of the zygote's output (its own buffer: select sees the pipe only)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            readable, _, _ = select.select([fd], [], [], max(0.0, left))
+            assert readable, f"no {answer!r} from the zygote in time (a trainer died?)"
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return ""  # the zygote ended
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
 
     def close(self) -> None:
         assert self.proc.stdin is not None

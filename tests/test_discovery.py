@@ -688,23 +688,6 @@ def test_overrides_validate_like_yaml_config() -> None:
         RouterOverride(num_experts=1)
 
 
-def test_latent_attention_is_skipped_with_a_warning() -> None:
-    class MLALike(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.num_heads = H
-            self.q_proj = nn.Linear(D, H * DH)
-            self.kv_a_proj_with_mqa = nn.Linear(D, 16)
-            self.kv_b_proj = nn.Linear(8, H * 2 * DH)
-
-    model = Stack(MLALike())
-    with pytest.warns(UserWarning, match=r"blocks\.0\.attn \(MLALike\).*latent"):
-        assert find_attention(model) == []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert find_attention(model, DiscoveryOverrides(exclude=["*.attn"])) == []
-
-
 # -------------------------------------------------------------------------------- routers
 
 

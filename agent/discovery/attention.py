@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from torch import nn
 
 from agent.discovery.errors import DiscoveryError, describe, override_hint
-from agent.discovery.head_layout import fused_layout, head_starts, solve_fused, solve_separate
+from agent.discovery.head_layout import (
+    fused_layout,
+    gated_queries,
+    head_starts,
+    solve_fused,
+    solve_separate,
+)
+from agent.discovery.latent import build_latent_site, is_latent_attention
 from agent.discovery.model_config import (
     HEAD_DIM_KEYS,
     NUM_HEADS_KEYS,
@@ -22,9 +29,10 @@ from agent.discovery.model_config import (
     lookup,
 )
 from agent.discovery.overrides import AttentionOverride, DiscoveryOverrides, scan_model
-from agent.discovery.projections import Projection, QKLocation, locate_qk
+from agent.discovery.projections import QK_PAIRS, Projection, QKLocation, locate_qk
 from agent.discovery.qk_norm import FoldedNorm, find_qk_norm
 from agent.discovery.sites import AttentionSite, HeadSlices
+from agent.discovery.unread import LINEAR_ATTENTION, is_linear_attention, related, unread_kind
 
 
 def find_attention(
@@ -34,16 +42,25 @@ def find_attention(
     ``named_modules()`` order.
 
     Raises :class:`DiscoveryError` when a layer's head counts cannot be determined or do not
-    fit its weights, or when an override names a module that does not exist. Attention-looking
-    modules of an unsupported kind (DeepSeek's multi-head latent attention, GPT-2
-    cross-attention, ``nn.MultiheadAttention`` with ``kdim != embed_dim``) are skipped with one
-    warning.
+    fit its weights, or when an override names a module that does not exist. Multi-head latent
+    attention gives its content-part site (``latent``). Attention-like modules that cannot be
+    read (linear attention, per-expert queries, custom projections, GPT-2 cross-attention,
+    ``nn.MultiheadAttention`` with ``kdim != embed_dim``, ...) are named, with their kind, in
+    one warning (``unread``).
     """
     overrides = overrides or DiscoveryOverrides()
     scan = scan_model("find_attention", model, "attention", overrides.attention, overrides.exclude)
     sites: list[AttentionSite] = []
-    skipped: list[str] = []
+    skipped: list[tuple[str, nn.Module, str]] = []  # (name, module, why)
+    unread: list[tuple[str, nn.Module]] = []  # no Q/K projections found: attention-like?
     for name, module, override in scan.candidates():
+        explicit = override is not None and (override.q or override.qkv) is not None
+        if not explicit and is_linear_attention(module):
+            skipped.append((name, module, LINEAR_ATTENTION))
+            continue
+        if not explicit and is_latent_attention(module):
+            sites.append(build_latent_site(name, module, model, scan.param_names))
+            continue
         location = locate_qk(name, module, override, scan.param_names)
         if location is None:
             if override is not None and name in overrides.attention:
@@ -51,22 +68,40 @@ def find_attention(
                     f"{describe(name, module)}: an attention override names it but it has no "
                     "recognizable Q/K projections; set `q` and `k`, or `qkv`, in its override"
                 )
+            unread.append((name, module))
             continue
         if location.q is not None and location.k is not None and override is None:
             if location.q.in_features != location.k.in_features:
                 location.unsupported = "queries and keys read inputs of different widths"
         if location.unsupported:
-            skipped.append(f"{describe(name, module)} ({location.unsupported})")
+            skipped.append((name, module, location.unsupported))
             continue
         sites.append(_build_site(name, module, model, override, location, scan.param_names))
-    if skipped:
+    read = [site.name for site in sites]
+    for name, module in unread:
+        kind = None if related(name, read) else unread_kind(module, QK_PAIRS)
+        if kind is not None:
+            skipped.append((name, module, kind))
+    _warn_skipped(skipped)
+    return sites
+
+
+def _warn_skipped(skipped: list[tuple[str, nn.Module, str]]) -> None:
+    """One warning naming every skipped module and its kind (a container of another skipped
+    module, e.g. Jamba's Mamba decoder layer around its mixer, is not named twice)."""
+    names = [name for name, _, _ in skipped]
+    shown = [
+        f"{describe(name, module)} ({why})"
+        for name, module, why in skipped
+        if not any(other.startswith(name + ".") for other in names if name)
+    ]
+    if shown:
         warnings.warn(
             "mechwatch discovery skipped attention modules it cannot read: "
-            + "; ".join(skipped)
+            + "; ".join(shown)
             + ". Add them to `exclude` to silence this.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    return sites
 
 
 def _build_site(
@@ -101,7 +136,8 @@ def _build_site(
     else:
         assert location.q is not None and location.k is not None
         q_proj, k_proj = location.q, location.k
-        layout = "separate"
+        gated = gated_queries(where, module, model, override, q_proj)
+        layout = "gated" if gated else "separate"
         if q_proj.in_features != k_proj.in_features:
             raise DiscoveryError(
                 f"{where}: query input width {q_proj.in_features} differs from key input width "
@@ -109,7 +145,7 @@ def _build_site(
                 "supported"
             )
         num_kv_heads, head_dim = solve_separate(
-            where, name, num_heads, kv_declared, dh_declared, q_proj, k_proj
+            where, name, num_heads, kv_declared, dh_declared, q_proj, k_proj, gated
         )
     q_starts, k_starts = head_starts(layout, num_heads, num_kv_heads, head_dim)
 

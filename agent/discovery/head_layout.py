@@ -5,18 +5,33 @@ weight shapes and raise :class:`DiscoveryError` (naming the override that fixes 
 declared counts do not fit:
 
 - separate projections: q_out = H * d_h, k_out = H_kv * d_h;
+- gated queries (Qwen3-Next, Qwen3.5): q_proj holds [q_h | gate_h] per head, q_out = 2 H d_h,
+  recognized when H and d_h are declared and the module's forward views the projection as
+  (..., H, 2 d_h) chunks; an override of num_heads that would read gate rows as query heads is
+  refused;
 - fused projections: width = (H + 2 H_kv) * d_h, in one of three row layouts: ``concat``
   (all q | all k | all v), ``per_head`` ([q_h | k_h | v_h] per head: GPT-NeoX, Bloom,
   Persimmon, multi-head Falcon and BigCode) or ``grouped`` (per KV group its query heads, then
-  k, then v: Falcon-40B). The layout is a property of the model family, not of the child name.
+  k, then v: Falcon-40B, Megatron-Core's ``linear_qkv``). The layout is a property of the
+  model family (and of Megatron's child name), not of the name in general.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+
 from torch import nn
 
 from agent.discovery.errors import DiscoveryError, describe, override_hint
-from agent.discovery.model_config import head_count_sources, lookup_flag, read_field
+from agent.discovery.model_config import (
+    HEAD_DIM_KEYS,
+    NUM_HEADS_KEYS,
+    head_count_sources,
+    lookup,
+    lookup_flag,
+    read_field,
+)
 from agent.discovery.overrides import AttentionOverride
 from agent.discovery.projections import Projection
 
@@ -32,22 +47,32 @@ def solve_separate(
     dh_declared: int | None,
     q: Projection,
     k: Projection,
+    gated: bool = False,
 ) -> tuple[int, int]:
-    """H is known; q_out = H * d_h and k_out = H_kv * d_h fix the rest."""
+    """H is known; q_out = H * d_h (2 H d_h with a gate per head) and k_out = H_kv * d_h fix
+    the rest."""
+    q_out = q.out_features // 2 if gated else q.out_features
     if dh_declared is not None:
         head_dim = dh_declared
-        if q.out_features != num_heads * head_dim:
+        if q_out == 2 * num_heads * head_dim:
             raise DiscoveryError(
-                f"{where}: {q.path} has {q.out_features} outputs but num_heads * head_dim = "
+                f"{where}: {q.path} has 2 * num_heads * head_dim = {q_out} outputs: queries with "
+                "an output gate each (Qwen3-Next style), but the module's code does not show "
+                "which rows are queries. Overriding num_heads would read gate rows as query "
+                f"heads; `exclude` {name!r} instead"
+            )
+        if q_out != num_heads * head_dim:
+            raise DiscoveryError(
+                f"{where}: {q.path} has {q_out} outputs but num_heads * head_dim = "
                 f"{num_heads} * {head_dim}. {override_hint(name, 'num_heads/head_dim')}"
             )
     else:
-        if q.out_features % num_heads:
+        if q_out % num_heads:
             raise DiscoveryError(
-                f"{where}: {q.path} has {q.out_features} outputs, not divisible by "
+                f"{where}: {q.path} has {q_out} outputs, not divisible by "
                 f"num_heads = {num_heads}. {override_hint(name, 'num_heads/head_dim')}"
             )
-        head_dim = q.out_features // num_heads
+        head_dim = q_out // num_heads
     if k.out_features % head_dim:
         raise DiscoveryError(
             f"{where}: {k.path} has {k.out_features} outputs, not a multiple of head_dim = "
@@ -127,6 +152,9 @@ def head_starts(
     if layout == "separate":
         q = [h * head_dim for h in range(num_heads)]
         k = [g * head_dim for g in range(num_kv_heads)]
+    elif layout == "gated":  # q_proj: [q_h | gate_h] for each head; k_proj as separate
+        q = [2 * h * head_dim for h in range(num_heads)]
+        k = [g * head_dim for g in range(num_kv_heads)]
     elif layout == "concat":  # q_0..q_{H-1} | k_0..k_{H_kv-1} | v...
         q = [h * head_dim for h in range(num_heads)]
         k = [(num_heads + g) * head_dim for g in range(num_kv_heads)]
@@ -155,6 +183,8 @@ def fused_layout(
         return override.qkv_layout
     if isinstance(module, nn.MultiheadAttention):
         return "concat"
+    if child == "linear_qkv":  # Megatron-Core: per query group its heads, then k, then v
+        return "grouped"
     family = _family(module, model)
     sources = head_count_sources(module, model, None)
     if any(tag in family for tag in _PER_HEAD_FAMILIES):
@@ -181,3 +211,36 @@ def _family(module: nn.Module, model: nn.Module) -> str:
         if isinstance(model_type, str):
             parts.append(model_type.lower())
     return " ".join(parts)
+
+
+def gated_queries(
+    where: str,
+    module: nn.Module,
+    model: nn.Module,
+    override: AttentionOverride | None,
+    q: Projection,
+) -> bool:
+    """Whether ``q`` holds an output gate after each query head (module docstring). Raises
+    :class:`DiscoveryError` when the override's num_heads would read the gates as heads."""
+    declared = head_count_sources(module, model, None)
+    heads, head_dim = lookup(declared, NUM_HEADS_KEYS), lookup(declared, HEAD_DIM_KEYS)
+    if heads is None or head_dim is None or q.out_features != 2 * heads[0] * head_dim[0]:
+        return False
+    if not _views_query_gates(type(module)):
+        return False
+    if override is not None and override.num_heads not in (None, heads[0]):
+        raise DiscoveryError(
+            f"{where}: the override's num_heads = {override.num_heads} would read the output-gate "
+            f"rows of {q.path} as query heads: it holds {heads[0]} query heads of {head_dim[0]} "
+            "rows, each followed by its gate; drop num_heads from the override"
+        )
+    return True
+
+
+def _views_query_gates(cls: type) -> bool:
+    """The forward splits q_proj's output per head into a query and a gate of d_h each."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return bool(re.search(r"head_dim\s*\*\s*2", source)) and "chunk" in source

@@ -47,6 +47,7 @@ _NUM_EXPERTS_KEYS = (
     "moe_num_experts",
     "num_expert",
     "n_expert",
+    "num_moe_experts",  # Megatron-Core
 )
 _TOP_K_MODULE_KEYS = (
     "top_k",

@@ -2,7 +2,8 @@
 
 :func:`locate_qk` recognizes separate ``q_proj``/``k_proj``-style children (Llama, BERT, T5,
 CLIP, Meta-Llama ``wq``/``wk``, ...), fused QKV children (``qkv``, ``qkv_proj``, ``Wqkv``,
-``W_pack``, ``c_attn`` incl. GPT-2's transposed ``Conv1D``, ``query_key_value``) and
+``W_pack``, ``c_attn`` incl. GPT-2's transposed ``Conv1D``, ``query_key_value``,
+Megatron-Core's ``linear_qkv``) and
 ``nn.MultiheadAttention``, or takes the children an :class:`AttentionOverride` names. It says
 nothing about heads: see ``head_layout``.
 """
@@ -19,7 +20,7 @@ from agent.discovery.errors import DiscoveryError, describe, join
 from agent.discovery.overrides import AttentionOverride
 
 # Child names of separate query/key projections, as (query, key) pairs.
-_QK_PAIRS = (
+QK_PAIRS = (
     ("q_proj", "k_proj"),
     ("query", "key"),
     ("q", "k"),
@@ -30,7 +31,16 @@ _QK_PAIRS = (
     ("q_linear", "k_linear"),
 )
 # Child names of fused QKV projections.
-_FUSED_NAMES = ("qkv_proj", "qkv", "Wqkv", "W_pack", "c_attn", "to_qkv", "query_key_value")
+_FUSED_NAMES = (
+    "qkv_proj",
+    "qkv",
+    "Wqkv",
+    "W_pack",
+    "c_attn",
+    "to_qkv",
+    "query_key_value",
+    "linear_qkv",  # Megatron-Core, grouped per KV head
+)
 # Multi-head latent attention (DeepSeek-V2/V3): low-rank Q/K with a decoupled RoPE part.
 _MLA_MARKERS = ("kv_a_proj_with_mqa", "q_a_proj")
 
@@ -85,7 +95,7 @@ def locate_qk(
     if isinstance(module, nn.MultiheadAttention):
         return _locate_torch_mha(name, module, param_names)
     children = module._modules
-    for q_child, k_child in _QK_PAIRS:
+    for q_child, k_child in QK_PAIRS:
         if q_child in children and k_child in children:
             q = _child_projection(name, module, q_child, param_names, required=False)
             k = _child_projection(name, module, k_child, param_names, required=False)

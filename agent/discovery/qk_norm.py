@@ -74,11 +74,11 @@ def find_qk_norm(
             f"(per head dim) or {n_heads * head_dim} (per head). Set fold_qk_norm: false in "
             f"the override for {name!r} to skip folding"
         )
-    offset = _norm_scale_offset(where, path, norm, weight)
+    offset = norm_scale_offset(where, path, norm, weight)
     return FoldedNorm(param_names[id(weight)], weight, offset)
 
 
-def _norm_scale_offset(where: str, path: str, norm: nn.Module, weight: torch.Tensor) -> float:
+def norm_scale_offset(where: str, path: str, norm: nn.Module, weight: torch.Tensor) -> float:
     """0.0 when the norm multiplies by its weight, 1.0 when by (1 + weight) (Gemma).
 
     Measured, not guessed from the class: a float64 copy of the norm is run on inputs with zero

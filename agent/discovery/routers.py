@@ -2,11 +2,15 @@
 
 A router is found by its name (``gate``/``router``/... or a ``layer``/``classifier``/... child
 of one) and confirmed by an expert count declared around it (``model_config``); the routers
-override marks any module holding an [E, d] weight as a router.
+override marks any module holding an [E, d] weight as a router. When the router's parent
+applies the weight functionally (``F.linear(x, self.classifier.weight)``), the parent is the
+router's ``owner``: its input is the router's input (``RouterSite.owner``).
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -61,6 +65,7 @@ def find_routers(model: nn.Module, overrides: DiscoveryOverrides | None = None) 
                 f"{sorted(declared)}"
             )
             continue
+        owner_name = functional_owner(name, modules)
         sites.append(
             RouterSite(
                 name=name,
@@ -69,6 +74,8 @@ def find_routers(model: nn.Module, overrides: DiscoveryOverrides | None = None) 
                 d_model=weight.shape[1],
                 top_k=declared_top_k(holders, block, model, num_experts),
                 weight_name=param_names[id(weight)],
+                owner=None if owner_name is None else modules[owner_name],
+                owner_name=owner_name,
             )
         )
     if mismatched:
@@ -108,7 +115,31 @@ def _override_router(
         top_k = declared_top_k(holders or [module], block, model, num_experts)
     elif top_k > num_experts:
         raise DiscoveryError(f"{where}: top_k = {top_k} exceeds num_experts = {num_experts}")
-    return RouterSite(name, module, num_experts, weight.shape[1], top_k, param_names[id(weight)])
+    owner_name = functional_owner(name, modules)
+    return RouterSite(
+        name,
+        module,
+        num_experts,
+        weight.shape[1],
+        top_k,
+        param_names[id(weight)],
+        owner=None if owner_name is None else modules[owner_name],
+        owner_name=owner_name,
+    )
+
+
+def functional_owner(name: str, modules: Mapping[str, nn.Module]) -> str | None:
+    """The parent of router ``name`` when the parent's forward applies ``<child>.weight``
+    itself (``F.linear(x, self.classifier.weight)``), else None."""
+    parent, _, local = name.rpartition(".")
+    if not local or parent not in modules:
+        return None
+    forward = getattr(type(modules[parent]), "forward", None)
+    try:
+        source = inspect.getsource(forward) if forward is not None else ""
+    except (OSError, TypeError):
+        return None
+    return parent if re.search(rf"\bself\.{re.escape(local)}\.weight\b", source) else None
 
 
 def _router_context(

@@ -3,7 +3,9 @@
 An :class:`AttentionSite` reads the factor W_q^h = W[h*d_h:(h+1)*d_h].T, shape (d, d_h), of
 each query head h (and W_k^g(h) of its KV head, g(h) = h // (H / H_kv)) out of the live
 parameters or out of a snapshot keyed like :meth:`AttentionSite.parameters_to_snapshot`, with
-any QK-norm scale folded in. A :class:`RouterSite` holds a router's live [E, d] weight.
+any QK-norm scale folded in. For multi-head latent attention the weight reads a latent
+(:class:`LatentInput`) and the factor is the product W_a[:rank]^T diag(g) W_b,h^T. A
+:class:`RouterSite` holds a router's live [E, d] weight.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class LatentInput:
+    """The low-rank first stage of a latent projection (MLA, DESIGN.md 1d): the heads read the
+    latent c = diag(g) W_a[:rank] x / rms, so a head's factor is W_a[:rank]^T diag(g) W_b,h^T."""
+
+    weight_name: str  # qualified name of W_a, [rank (+ other rows, e.g. the RoPE key), d]
+    weight_shape: tuple[int, int]
+    rank: int  # the latent is rows [0, rank) of W_a x
+    norm_name: str | None = None  # qualified name of the RMSNorm scale g [rank], if any
+    norm_offset: float = 0.0  # 1.0 when the norm multiplies by (1 + weight), else 0.0
+
+
+@dataclass(frozen=True)
 class HeadSlices:
     """Where each head of one projection (query or key) lives inside a weight."""
 
@@ -27,6 +41,8 @@ class HeadSlices:
     norm_name: str | None = None  # qualified name of the QK-norm scale folded in, if any
     norm_numel: int = 0  # d_h (one scale shared by all heads) or n_heads * d_h
     norm_offset: float = 0.0  # 1.0 when the norm multiplies by (1 + weight) (Gemma), else 0.0
+    latent: LatentInput | None = None  # the weight reads a latent, not x (MLA's q_b / kv_b)
+    scale: float = 1.0  # a constant the projection's output is multiplied by (LongcatFlash)
 
 
 @dataclass(frozen=True)
@@ -38,7 +54,7 @@ class AttentionSite:
     num_kv_heads: int  # H_kv (H for MHA, 1 for MQA)
     head_dim: int  # d_h
     d_model: int  # d, the input width of the projections
-    layout: str  # "separate", "concat", "per_head" or "grouped"
+    layout: str  # "separate", "gated", "concat", "per_head", "grouped" or "latent"
     q: HeadSlices
     k: HeadSlices
     module: nn.Module = field(compare=False, repr=False)
@@ -125,7 +141,8 @@ class AttentionSite:
         indices: Sequence[int],
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        d, d_h = self.d_model, self.head_dim
+        d_h = self.head_dim
+        d = self.d_model if spec.latent is None else spec.latent.rank  # the weight's input width
         weight = self._tensor(spec.weight_name, params, spec.weight_shape)  # [out, d] or [d, out]
         out = torch.empty((len(indices), d, d_h), dtype=dtype, device=weight.device)
         for i, head in enumerate(indices):
@@ -134,6 +151,10 @@ class AttentionSite:
                 out[i].copy_(weight[:, start : start + d_h])  # (d, d_h)
             else:
                 out[i].copy_(weight[start : start + d_h].T)  # (d, d_h)
+        if spec.latent is not None:  # (d_model, r) @ (n, r, d_h) -> (n, d_model, d_h)
+            out = self._latent_factor(spec.latent, params, dtype, weight.device) @ out
+        if spec.scale != 1.0:
+            out.mul_(spec.scale)
         if spec.norm_name is not None:
             scale = self._tensor(spec.norm_name, params, (spec.norm_numel,))
             scale = scale.to(device=weight.device, dtype=dtype).reshape(-1, d_h)  # (1|n, d_h)
@@ -143,10 +164,31 @@ class AttentionSite:
             out.mul_(rows[:, None, :])  # scales the columns of each head's factor
         return out
 
+    def _latent_factor(
+        self,
+        latent: LatentInput,
+        params: Mapping[str, torch.Tensor] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """W_a[:rank]^T diag(g), (d, rank): the first stage of a latent projection."""
+        w_a = self._tensor(latent.weight_name, params, latent.weight_shape)  # [rows, d]
+        factor = w_a[: latent.rank].T.to(device=device, dtype=dtype)  # (d, rank)
+        if latent.norm_name is not None:
+            g = self._tensor(latent.norm_name, params, (latent.rank,)).reshape(-1)
+            factor = factor * (g.to(device=device, dtype=dtype) + latent.norm_offset)
+        return factor
+
 
 @dataclass(frozen=True)
 class RouterSite:
-    """One MoE router: a module whose [E, d] weight produces the routing logits."""
+    """One MoE router: a module whose [E, d] weight produces the routing logits z = x W^T + b.
+
+    ``owner`` is set when the module that applies the weight is not ``module`` itself: its
+    parent's forward uses ``<child>.weight`` functionally (LongcatFlash's router applies
+    ``F.linear`` to ``classifier.weight``), so ``module`` may never be called; the router's
+    input is then the owner's input.
+    """
 
     name: str  # module name, used as the "router" label
     module: nn.Module = field(compare=False, repr=False)
@@ -154,6 +196,8 @@ class RouterSite:
     d_model: int  # d
     top_k: int | None  # experts chosen per token, when declared
     weight_name: str  # qualified parameter name of the [E, d] weight
+    owner: nn.Module | None = field(default=None, compare=False, repr=False)
+    owner_name: str | None = None  # name of ``owner``
 
     def weight(self) -> torch.Tensor:
         """The live router weight [E, d]."""

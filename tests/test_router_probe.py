@@ -1,0 +1,158 @@
+"""RouterProbe computes the routing logits from the router's own input, z = x W^T + b.
+
+Routers built like real ones: Llama 4's (an ``nn.Linear`` returning sigmoid scores *before*
+the logits), LongcatFlash's (the weight lives in a ``classifier`` child that is never called:
+its parent applies ``F.linear`` to it), and a router whose weight is applied somewhere the probe
+cannot see (named in a warning at the first read-out).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agent import samples as m
+from agent.discovery import find_routers
+from agent.monitors import routing_stats
+from agent.probes import RouterProbe
+
+D, E, T = 8, 4, 10  # width, experts, tokens
+
+
+class Llama4LikeRouter(nn.Linear):
+    """transformers' Llama4Router: returns (sigmoid top-k scores, logits)."""
+
+    def __init__(self) -> None:
+        super().__init__(D, E, bias=False)
+        self.num_experts, self.top_k = E, 1
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = super().forward(x)  # (tokens, E)
+        top, idx = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.full_like(logits, -math.inf).scatter_(1, idx, top).sigmoid()
+        return scores, logits
+
+
+class LongcatLikeRouter(nn.Module):
+    """transformers' LongcatFlashTopkRouter: ``classifier`` holds the weight, never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.n_routed_experts = 2, E
+        self.classifier = nn.Linear(D, E, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, D)
+        logits = F.linear(x, self.classifier.weight, self.classifier.bias)
+        return logits.softmax(-1)
+
+
+def _route_elsewhere(x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
+    return x @ gate.weight.T  # the gate's module is never called
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "llama4":
+            self.router = Llama4LikeRouter()
+        elif kind == "longcat":
+            self.router = LongcatLikeRouter()
+        else:
+            self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "hidden":
+            return _route_elsewhere(x, self.gate)
+        out = self.router(x.reshape(-1, D))
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Model(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = Block(kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def _values(samples: list, metric: str) -> list[float]:
+    return [s.value for s in samples if s.metric == metric]
+
+
+@pytest.mark.parametrize("kind", ["llama4", "longcat"])
+def test_statistics_are_those_of_x_w_plus_b(kind: str) -> None:
+    model = Model(kind).double()
+    (site,) = find_routers(model)
+    assert (site.owner_name is not None) == (kind == "longcat")
+    probe = RouterProbe([site])
+    probe.attach()
+    xs = [torch.randn(2, T // 2, D, dtype=torch.float64) for _ in range(3)]
+    for x in xs:
+        model(x)
+    model.eval()(xs[0])  # evaluation passes do not count
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the router has data: no warning
+        samples = probe.read(step=5)
+    bias = site.bias()
+    stats = [
+        routing_stats(x.reshape(-1, D) @ site.weight().T + (0 if bias is None else bias), k)
+        for x in xs
+        for k in [site.top_k]
+    ]
+    want_entropy = sum(float(s[0].mean) for s in stats) / len(stats)
+    want_margin = sum(float(s[1].margin) for s in stats) / len(stats)
+    assert _values(samples, m.ROUTER_ENTROPY) == [pytest.approx(want_entropy, rel=1e-12)]
+    assert _values(samples, m.ROUTER_MARGIN) == [pytest.approx(want_margin, rel=1e-12)]
+    load = sum(s[1].load for s in stats) / len(stats)  # (E,)
+    assert _values(samples, m.ROUTER_LOAD_MAX) == [pytest.approx(float(load.max()), rel=1e-12)]
+    if kind == "llama4":  # the sigmoid scores the router returns first would give another value
+        scores = model.mlp.router(xs[0].reshape(-1, D))[0]
+        assert float(routing_stats(scores.clamp_min(-1e9), 1)[0].mean) != pytest.approx(
+            float(stats[0][0].mean)
+        )
+    probe.detach()
+
+
+def test_owner_does_not_count_a_forward_twice() -> None:
+    """The router module is called inside its owner: its own hook counts, the owner's does not."""
+
+    class CalledInside(LongcatLikeRouter):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            _ = self.classifier.weight  # the owner names the weight and calls the module too
+            return self.classifier(x.view(-1, D)).softmax(-1)
+
+    model = Model("longcat")
+    model.mlp.router = CalledInside()
+    (site,) = find_routers(model)
+    assert site.owner is model.mlp.router
+    probe = RouterProbe([site])
+    probe.attach()
+    model(torch.randn(1, T, D))
+    model(torch.randn(1, T, D))
+    sums = probe._sums[0]
+    assert sums is not None and float(sums[4]) == 2.0  # two forwards counted, not four
+
+
+def test_a_router_without_data_is_named_once_at_the_first_read_out() -> None:
+    model = Model("hidden")
+    (site,) = find_routers(model)
+    assert site.name == "mlp.gate" and site.owner is None
+    probe = RouterProbe([site])
+    probe.attach()
+    model(torch.randn(1, T, D))
+    with pytest.warns(UserWarning, match=r"no routing data from mlp\.gate by the first read-out"):
+        assert probe.read(step=1) == []
+    assert any("mlp.gate" in e for e in probe.errors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe.read(step=2) == []  # named once
