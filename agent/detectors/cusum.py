@@ -56,7 +56,34 @@ class CUSUMParams(DetectorParams):
     )
 
 
-class CUSUMDetector(Detector):
+class TwoSidedSums(Detector):
+    """The one-sided sums C+ and C- of a CUSUM with the first step of each one's current
+    excursion; a subclass feeds them the standardized change of each value (``_accumulate``)
+    and declares ``c_high``, ``c_low``, ``high_since`` and ``low_since`` in its state."""
+
+    def _forget_departure(self) -> None:
+        self._c_high = 0.0  # C+
+        self._c_low = 0.0  # C-
+        self._high_since: int | None = None  # first step of C+'s current excursion
+        self._low_since: int | None = None
+
+    @property
+    def sums(self) -> tuple[float, float]:
+        """(C-, C+)."""
+        return self._c_low, self._c_high
+
+    def _accumulate(self, step: int, x: float, k: float, h: float, direction: str) -> None:
+        """Add ``x`` (beyond the allowance ``k``) to the sums and judge them against ``h``."""
+        self._c_high = max(0.0, self._c_high + x - k)
+        self._c_low = max(0.0, self._c_low - x - k)
+        self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
+        self._low_since = run_start(self._c_low != 0.0, self._low_since, step)
+        self._set_larger_side_verdict(
+            direction, h, (self._c_high, self._high_since), (self._c_low, self._low_since)
+        )
+
+
+class CUSUMDetector(TwoSidedSums):
     """Tabular CUSUM. See the module docstring."""
 
     type = "cusum"
@@ -74,12 +101,6 @@ class CUSUMDetector(Detector):
         self._m2 = 0.0
         self._forget_departure()
 
-    def _forget_departure(self) -> None:
-        self._c_high = 0.0  # C+
-        self._c_low = 0.0  # C-
-        self._high_since: int | None = None  # first step of C+'s current excursion
-        self._low_since: int | None = None
-
     @property
     def ready(self) -> bool:
         return self._n_finite >= self.params.warmup
@@ -96,11 +117,6 @@ class CUSUMDetector(Detector):
         sample_std = math.sqrt(self._m2 / (self.params.warmup - 1))
         return scale_floor(sample_std, self.params.min_std, self._mean)
 
-    @property
-    def sums(self) -> tuple[float, float]:
-        """(C-, C+), std units."""
-        return self._c_low, self._c_high
-
     def _update_finite(self, step: int, value: float) -> None:
         p = self.params
         if not self.ready:
@@ -109,11 +125,4 @@ class CUSUMDetector(Detector):
             return
         std = self.std
         assert std is not None
-        u = (value - self._mean) / std
-        self._c_high = max(0.0, self._c_high + u - p.k)
-        self._c_low = max(0.0, self._c_low - u - p.k)
-        self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
-        self._low_since = run_start(self._c_low != 0.0, self._low_since, step)
-        self._set_larger_side_verdict(
-            p.direction, p.h, (self._c_high, self._high_since), (self._c_low, self._low_since)
-        )
+        self._accumulate(step, (value - self._mean) / std, p.k, p.h, p.direction)

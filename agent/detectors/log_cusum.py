@@ -36,8 +36,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent.detectors.base import Detector, DetectorParams, StateFields
-from agent.detectors.runs import run_start
+from agent.detectors.base import DetectorParams, StateFields
+from agent.detectors.cusum import TwoSidedSums
 
 
 class LogCUSUMParams(DetectorParams):
@@ -51,7 +51,7 @@ class LogCUSUMParams(DetectorParams):
     )
 
 
-class LogCUSUMDetector(Detector):
+class LogCUSUMDetector(TwoSidedSums):
     """CUSUM on log-changes. See the module docstring."""
 
     type = "log_cusum"
@@ -67,12 +67,6 @@ class LogCUSUMDetector(Detector):
         self._high_from: float | None = None  # the value the current departure rose from
         self._low_from: float | None = None  # ... fell from (kept by reset: the baseline)
         self._forget_departure()
-
-    def _forget_departure(self) -> None:
-        self._c_high = 0.0  # C+
-        self._c_low = 0.0  # C-
-        self._high_since: int | None = None  # first step of C+'s current excursion
-        self._low_since: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -95,19 +89,12 @@ class LogCUSUMDetector(Detector):
         before, self._previous = self._previous, now
         if before is None:
             return
-        d = now - before
         low_was, high_was = self._c_low, self._c_high
-        self._c_low = max(0.0, self._c_low - d - p.k)
-        self._c_high = max(0.0, self._c_high + d - p.k)
+        self._accumulate(step, now - before, p.k, p.h, p.direction)
         if low_was == 0.0 and self._c_low != 0.0 and self._came_back(before, self._low_from, -1):
             self._low_from = math.exp(before)
         if high_was == 0.0 and self._c_high != 0.0 and self._came_back(before, self._high_from, 1):
             self._high_from = math.exp(before)
-        self._low_since = run_start(self._c_low != 0.0, self._low_since, step)
-        self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
-        self._set_larger_side_verdict(
-            p.direction, p.h, (self._c_high, self._high_since), (self._c_low, self._low_since)
-        )
 
     def _came_back(self, level: float, reference: float | None, sign: int) -> bool:
         """Whether a new departure from ``level`` (ln) starts a new reference: there is none
