@@ -27,11 +27,15 @@ actions its rules ask for run at the next step boundary.
 ``step()`` never raises because of the agent's own failure or a malformed input: a broken part
 is recorded, reported once (event log + a warning) and skipped. It raises only
 ``TrainingHalted`` when a ``halt`` action asked for a stop (or sets ``should_stop`` in flag
-mode).
+mode), and ``RankFailure`` when a collective of a distributed job failed.
+
+Under torchrun (one agent per rank) the samples are reduced and gathered over the ranks at
+each read-out, so every rank decides and acts alike; see ``agent.distributed``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,14 +46,20 @@ import torch
 
 from agent import samples as m
 from agent.attribution import MECHANISM_FAMILIES, Attributor
-from agent.checkpoints import CheckpointManager, CheckpointStore
+from agent.checkpoints import CheckpointStore
 from agent.config import AgentConfig
-from agent.decisions import decide
+from agent.decisions import Decisions, alert_fields, decide
 from agent.discovery import find_attention, find_routers
+from agent.distributed import World
+from agent.distributed.wiring import (
+    build_checkpoints,
+    build_measurements,
+    build_rank_watch,
+    metrics_config,
+)
 from agent.eventlog import EVENT_LOG_FORMAT, EventLog
 from agent.failures import FailureLog
 from agent.incidents import Incident, IncidentEvent, RunContext
-from agent.measurements import Measurements
 from agent.metric_sinks import build_sinks, write_round
 from agent.monitor_thread import MonitorThread
 from agent.notify.base import Notifier
@@ -94,13 +104,17 @@ class Agent:
         attention_switch: AttentionPrecisionSwitch | None = None,
         actions: Mapping[str, type[Action]] | None = None,
         on_metrics: Callable[[int, dict[str, float]], Any] | None = None,
+        process_group: Any | None = None,
     ) -> None:
         self.config = config = config or AgentConfig()
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.attention_switch = attention_switch
         self.run_dir = Path(config.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.context = RunContext(run_name=config.run_name)
+        self.world = World.detect(process_group)  # rank and size (agent/distributed)
+        self.context = RunContext(
+            run_name=config.run_name, rank=self.world.rank, world_size=self.world.size
+        )
         self._lock = threading.Lock()  # one decision round at a time (training + watchdog)
         self.should_stop = False
         self._closed = False
@@ -129,14 +143,17 @@ class Agent:
             else None
         )
         self.metric_sinks = self._guarded(
-            "metrics", lambda: build_sinks(config.metrics, self.run_dir, on_metrics), []
+            "metrics",
+            lambda: build_sinks(metrics_config(self.world, config), self.run_dir, on_metrics),
+            [],
         )
 
         # Measurements (probes, monitors) on a monitor thread.
         self.thread = MonitorThread()
         self.attention_sites = find_attention(model, config.discovery) if config.qk.enabled else []
         self.router_sites = find_routers(model, config.discovery) if config.router.enabled else []
-        self.measurements = Measurements(
+        self.measurements = build_measurements(
+            self.world,
             model,
             config,
             self.attention_sites,
@@ -158,7 +175,7 @@ class Agent:
         self.checkpoints = (
             checkpoints
             if checkpoints is not None
-            else self._build_checkpoints(data_state, restore_data)
+            else build_checkpoints(self, data_state, restore_data)
         )
         self.actions = ActionRunner(
             self._action_context,
@@ -166,13 +183,8 @@ class Agent:
             dry_run=config.actions.dry_run,
             actions=actions,
         )
-        self.pacing = Pacing(
-            self.actions.limits_of,
-            rule_cooldowns={r.name: r.spec.cooldown for r in self.ruleset},
-            dry_run_of=lambda action: config.actions.dry_run or not self._allowed(action),
-            repeat_every_steps=config.notify.repeat_every_steps,
-            repeat_every_s=config.notify.repeat_every_s,
-        )
+        self.pacing = self.new_pacing()
+        self.rank_watch = build_rank_watch(self)  # a distributed job's hung-rank watchdog
         self._evaluations = 0
         self._last_step_time = time.monotonic()
         self._resume_step: int | None = None
@@ -188,6 +200,8 @@ class Agent:
             attention_layers=[s.name for s in self.attention_sites],
             routers=[s.name for s in self.router_sites],
             rules=[r.name for r in self.ruleset],
+            rank=self.world.rank,
+            world_size=self.world.size,
         )
 
     # ------------------------------------------------------------------ construction
@@ -204,30 +218,16 @@ class Agent:
 
         return cls(model, optimizer, scheduler, load_agent_config(path), **kwargs)
 
-    def _build_checkpoints(self, data_state, restore_data):
-        cfg = self.config.checkpoints
-        if not cfg.enabled:
-            return None
-        return CheckpointManager(
-            cfg.directory or self.run_dir / "checkpoints",
-            every_n_steps=cfg.every,
-            keep_last=cfg.keep_last,
-            keep_known_good=cfg.keep_known_good,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            agent_state=self.state_dict,
-            data_state=data_state,
-            restore_data=restore_data,
-            report=self._checkpoint_report,
+    def new_pacing(self) -> Pacing:
+        """A ``Pacing`` with this agent's limits (the agent's own; the watchdog's)."""
+        config = self.config
+        return Pacing(
+            self.actions.limits_of,
+            rule_cooldowns={r.name: r.spec.cooldown for r in self.ruleset},
+            dry_run_of=lambda action: config.actions.dry_run or not self._allowed(action),
+            repeat_every_steps=config.notify.repeat_every_steps,
+            repeat_every_s=config.notify.repeat_every_s,
         )
-
-    def _checkpoint_report(self, kind: str, message: str) -> None:
-        """The checkpoint writer names a failed save's cause once (the manager warned
-        already), and its recovery: ``error`` and ``recovered`` records."""
-        step = -1 if self._last_step is None else self._last_step
-        record = "recovered" if kind.endswith("recovered") else "error"
-        self._write(record, step, what="checkpoint", error=message)
 
     def __enter__(self) -> Agent:
         return self
@@ -292,24 +292,10 @@ class Agent:
                 self._guarded(
                     f"metrics {type(sink).__name__}", lambda k=sink: write_round(k, new), None
                 )
-            decisions = decide(
-                self.engine, self.attributor, self.pacing, step, new, time.time(), act=act
-            )
-            for problem in decisions.problems:
-                self.failures.report(f"rule {problem.rule}", problem.error)
-            for t in decisions.transitions:
-                self._write(
-                    "alert",
-                    step,
-                    rule=t.rule,
-                    labels=dict(t.labels),
-                    transition=f"{t.from_state}->{t.to_state}",
-                    value=t.alert.value,
-                    baseline=t.alert.baseline,
-                    onset_step=t.alert.onset_step,
-                )
-            for event in decisions.events:
-                self._page(event)
+            agreed = self.measurements.now  # rank 0's clock at a distributed read-out
+            now = agreed if act and agreed is not None else time.time()
+            decisions = decide(self.engine, self.attributor, self.pacing, step, new, now, act=act)
+            self._record(step, decisions, ranks=self.measurements.notes)
             if not act:
                 return
             self._protect_checkpoints()
@@ -319,6 +305,16 @@ class Agent:
                 return  # rolled back: these samples no longer describe the run
             for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
                 self._announce(result, step)
+
+    def _record(self, step: int, decisions: Decisions, ranks: Any = None) -> None:
+        """Log a round's rule problems and alert transitions, page its incident events
+        (``ranks``: a distributed read-out's notes on the ranks involved)."""
+        for problem in decisions.problems:
+            self.failures.report(f"rule {problem.rule}", problem.error)
+        for t in decisions.transitions:
+            self._write("alert", step, **alert_fields(t))
+        for event in decisions.events:
+            self._page(event, ranks.text() if ranks is not None else "")
 
     def _admit(self, step: int, admission: Admission) -> None:
         """Run (or record) what pacing decided about one request; ``step`` moves to the
@@ -381,13 +377,17 @@ class Agent:
         self._resume_step = restored + 1
         self._last_step = restored  # what later actions in this round see as the current step
 
-    def _page(self, event: IncidentEvent) -> None:
+    def _page(self, event: IncidentEvent, ranks: str = "") -> None:
+        if ranks:  # a distributed job: the page names the ranks involved
+            event.context = dataclasses.replace(event.context, ranks=ranks)
+        extra = {"ranks": ranks} if self.world.size > 1 else {}
         self._write(
             "incident",
             event.step,
             event=event.kind,
             incident=event.incident.to_dict(),
             message=event.message,
+            **extra,
         )
         if self.dispatcher is not None:
             self._guarded("page", lambda: self.dispatcher.submit(event), None)
@@ -422,9 +422,14 @@ class Agent:
     def _watchdog(self) -> None:
         """Monitor thread, on a timer: seconds since the last step into the decision round
         (the run may hang inside a step, where no round would ever happen)."""
-        if self._last_step is None or self._closed:
+        if self._closed:
             return
         idle = time.monotonic() - self._last_step_time
+        if self.rank_watch is not None:  # a distributed job: every rank's heartbeat (rank 0)
+            self._guarded("watchdog", lambda: self.rank_watch.tick(self._last_step, idle), None)
+            return
+        if self._last_step is None:
+            return
         sample = Sample.make(self._last_step, m.SECONDS_SINCE_STEP, idle)
         self._guarded("watchdog", lambda: self._round(self._last_step, [sample], act=False), None)
 

@@ -14,6 +14,7 @@ them (``Pacing.ran``); replay runs none.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.attribution import Attributor
 from agent.incidents import IncidentEvent
@@ -72,3 +73,15 @@ def decide(
     ]
     out.admissions = pacing.round(step, requests, incident.id if incident is not None else None)
     return out
+
+
+def alert_fields(t: AlertTransition) -> dict[str, Any]:
+    """The event-log fields of one alert transition (an ``alert`` record)."""
+    return {
+        "rule": t.rule,
+        "labels": dict(t.labels),
+        "transition": f"{t.from_state}->{t.to_state}",
+        "value": t.alert.value,
+        "baseline": t.alert.baseline,
+        "onset_step": t.alert.onset_step,
+    }

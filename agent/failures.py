@@ -2,7 +2,9 @@
 
 ``FailureLog.guarded(what, fn, default)`` runs one part of the agent; an exception is reported
 (a warning and an ``error`` record in the event log, once per part and first line of the
-message) and ``default`` is returned, so the other parts go on."""
+message) and ``default`` is returned, so the other parts go on. The one exception is
+``RankFailure`` (a collective of a distributed job failed): recorded and raised, because the
+ranks can no longer reach one decision."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from agent.distributed.world import RankFailure
 from agent.eventlog import EventLog
 
 log = logging.getLogger("mechwatch")
@@ -24,8 +27,13 @@ class FailureLog:
         self._reported: set[str] = set()
 
     def guarded(self, what: str, fn: Callable[[], T], default: T) -> T:
+        """``fn()``, or ``default`` after reporting its exception; a ``RankFailure`` (a
+        collective of a distributed job failed) is recorded and raised: the job must stop."""
         try:
             return fn()
+        except RankFailure as exc:
+            self.write("error", self._step(), what=what, error=str(exc), fatal=True)
+            raise
         except Exception as exc:
             self.exception(what, exc)
             return default

@@ -88,6 +88,8 @@ class RunContext:
     run_name: str = "run"
     host: str = field(default_factory=socket.gethostname)
     rank: int = field(default_factory=lambda: int(os.environ.get("RANK", "0") or 0))
+    world_size: int = 1  # ranks in the job
+    ranks: str = ""  # a distributed job's page: the ranks involved (agent.distributed.exchange)
     job_id: str | None = field(
         default_factory=lambda: (
             os.environ.get("SLURM_JOB_ID")

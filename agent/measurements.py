@@ -77,7 +77,7 @@ class Measurements:
         self.router_probe = RouterProbe(router_sites, config.router.default_top_k)
         self.router_probe.attach()
         qk = config.qk
-        self.qk = QKSnapshots(
+        self.qk = self._qk_snapshots(
             attention_sites,
             delta=qk.delta,
             layers_per_eval=qk.layers_per_eval,
@@ -91,6 +91,12 @@ class Measurements:
         self._loss: list[tuple[int, Scalar]] = []
         self._grad: list[tuple[int, Scalar]] = []
         self._pending: list[tuple[int, Future]] = []  # (due step, future of samples)
+        # Set by the distributed pipeline (agent.distributed.measurements); None in one process:
+        self.now: float | None = None  # rank 0's clock at the latest read-out
+        self.notes: Any = None  # the latest read-out's ranks involved (ReadOutNotes)
+
+    def _qk_snapshots(self, sites: list[AttentionSite], **kwargs: Any) -> QKSnapshots:
+        return QKSnapshots(sites, **kwargs)
 
     # -- the training thread -----------------------------------------------------------------
     def record(self, step: int, loss: Scalar | None, grad_norm: Scalar | None) -> None:

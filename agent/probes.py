@@ -69,6 +69,8 @@ class RouterProbe:
         self._called = [False] * len(sites)  # router module called in its owner's forward
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked = False  # the first read-out named the routers without data
+        self._capture: dict[int, int] = {}  # router index -> step of the stats to capture
+        self._captured: dict[int, tuple[int, torch.Tensor]] = {}  # -> (step, (2,) stats)
         self.errors: list[str] = []
 
     def attach(self) -> None:
@@ -126,6 +128,8 @@ class RouterProbe:
                     self._load[index] = torch.zeros_like(load.load)
                 self._sums[index].add_(row)
                 self._load[index].add_(load.load)
+                if index in self._capture:  # the weight is whole inside the forward
+                    self._captured[index] = (self._capture.pop(index), self.weight_stats(index))
         except Exception as exc:  # never break the user's forward
             if len(self.errors) < 10:
                 self.errors.append(f"router probe {site.name}: {exc!r}")
@@ -146,47 +150,92 @@ class RouterProbe:
         warnings.warn(message, stacklevel=3)
         self.errors.append(message)
 
-    def read(self, step: int) -> list[Sample]:
-        """Samples for the window since the last read (one host transfer), then reset."""
+    def take(self, index: int) -> torch.Tensor | None:
+        """Router ``index``'s sums since the last read-out, (5 + E,) on the device: the
+        ``_ROUTER_SUMS`` running sums, then the summed load fractions (None: no data yet).
+        Resets them."""
+        sums, load = self._sums[index], self._load[index]
+        if sums is None or load is None:
+            return None
+        row = torch.cat([sums, load.to(sums.dtype)])
+        sums.zero_()
+        load.zero_()
+        return row
+
+    def weight_stats(self, index: int) -> torch.Tensor:
+        """(2,) on the device: the conditioning ratio and the expert similarity of router
+        ``index``'s weight as it is now (the whole [E, d] weight)."""
+        weight = self.sites[index].weight().detach()
+        eps = router_conditioning_ratio(weight).reshape(1)
+        sim = router_similarity(weight).reshape(1)
+        return torch.cat([eps, sim])
+
+    def capture_weight_stats(self, index: int, step: int) -> None:
+        """Compute ``weight_stats(index)`` in the next training forward, where a sharded
+        weight (FSDP2) is whole, and keep it as the stats of ``step`` (``take_captured``)."""
+        self._capture[index] = step
+
+    def take_captured(self, index: int) -> tuple[int, torch.Tensor] | None:
+        """(step, (2,) stats) captured since the last call, or None."""
+        return self._captured.pop(index, None)
+
+    def check_silent(self) -> None:
+        """At the first read-out: name (once) every router that has produced no data."""
         if not self._checked:
             self._name_silent_routers()
+
+    def read(self, step: int) -> list[Sample]:
+        """Samples for the window since the last read (one host transfer), then reset."""
+        self.check_silent()
         rows, names = [], []
         for i, site in enumerate(self.sites):
-            sums, load = self._sums[i], self._load[i]
-            weight = site.weight().detach()
-            eps = router_conditioning_ratio(weight).reshape(1)
-            sim = router_similarity(weight).reshape(1)
-            if sums is None or load is None:
+            row = self.take(i)
+            if row is None:
                 continue
-            rows.append(torch.cat([sums.to(eps.dtype), load.to(eps.dtype), eps, sim]))
+            stats = self.weight_stats(i)
+            rows.append(torch.cat([row.to(stats.dtype), stats]))
             names.append(site)
-            sums.zero_()
-            load.zero_()
         if not rows:
             return []
         host = [r.cpu().tolist() for r in rows]  # the one synchronization of this read
         out: list[Sample] = []
         for site, values in zip(names, host, strict=True):
-            n = values[4]
-            if n <= 0:
-                continue
-            e = site.num_experts
-            load = [x / n for x in values[5 : 5 + e]]
-            eps, sim = values[5 + e], values[6 + e]
-            load_entropy = -sum(x * math.log(x) for x in load if x > 0)
-            lab = {"router": site.name}
-            out += [
-                Sample.make(step, m.ROUTER_ENTROPY, values[0] / n, **lab),
-                Sample.make(step, m.ROUTER_ENTROPY_NORM, values[1] / n, **lab),
-                Sample.make(step, m.ROUTER_ENTROPY_P10, values[2] / n, **lab),
-                Sample.make(step, m.ROUTER_MARGIN, values[3] / n, **lab),
-                Sample.make(step, m.ROUTER_LOAD_MAX, max(load), **lab),
-                Sample.make(step, m.ROUTER_LOAD_ENTROPY, load_entropy, **lab),
-                Sample.make(step, m.ROUTER_DEAD_EXPERTS, sum(1 for x in load if x == 0), **lab),
-                Sample.make(step, m.ROUTER_EPS, eps, **lab),
-                Sample.make(step, m.ROUTER_SIMILARITY, sim, **lab),
-            ]
+            out += router_samples(step, site, values[:-2], (step, values[-2], values[-1]))
         return out
+
+
+def router_samples(
+    step: int,
+    site: RouterSite,
+    sums: list[float],
+    stats: tuple[int, float, float] | None,
+) -> list[Sample]:
+    """One router's samples at read-out ``step`` from its sums (``RouterProbe.take``: the
+    running sums, then the summed load) and its weight stats ``(step, eps, similarity)``
+    (None: none this time); nothing when no forward was counted."""
+    n = sums[_ROUTER_SUMS - 1]
+    if n <= 0:
+        return []
+    e = site.num_experts
+    load = [x / n for x in sums[_ROUTER_SUMS : _ROUTER_SUMS + e]]
+    load_entropy = -sum(x * math.log(x) for x in load if x > 0)
+    lab = {"router": site.name}
+    out = [
+        Sample.make(step, m.ROUTER_ENTROPY, sums[0] / n, **lab),
+        Sample.make(step, m.ROUTER_ENTROPY_NORM, sums[1] / n, **lab),
+        Sample.make(step, m.ROUTER_ENTROPY_P10, sums[2] / n, **lab),
+        Sample.make(step, m.ROUTER_MARGIN, sums[3] / n, **lab),
+        Sample.make(step, m.ROUTER_LOAD_MAX, max(load), **lab),
+        Sample.make(step, m.ROUTER_LOAD_ENTROPY, load_entropy, **lab),
+        Sample.make(step, m.ROUTER_DEAD_EXPERTS, sum(1 for x in load if x == 0), **lab),
+    ]
+    if stats is not None:
+        at, eps, sim = stats
+        out += [
+            Sample.make(at, m.ROUTER_EPS, eps, **lab),
+            Sample.make(at, m.ROUTER_SIMILARITY, sim, **lab),
+        ]
+    return out
 
 
 @dataclass
@@ -243,6 +292,7 @@ class QKSnapshots:
         self.heads_per_layer = heads_per_layer
         self.device = device
         self._evaluation = 0
+        self.evaluated: int | None = None  # the step of the latest evaluation (jobs handed out)
         self._head_offset = {site.name: 0 for site in sites}
         self._previous: dict[str, dict[str, torch.Tensor]] = {}
         self._previous_step: int | None = None
@@ -277,33 +327,54 @@ class QKSnapshots:
         """Call every step; takes snapshots on multiples of ``delta``; returns due jobs."""
         if not self.sites or step % self.delta != 0:
             return []
-        jobs: list[QKJob] = []
-        current: dict[str, dict[str, torch.Tensor]] = {}
-        if self._previous_step is not None and step - self._previous_step == self.delta:
-            for site in self._planned:
-                current[site.name] = self._snapshot(site)
-                labels = {
-                    name: control_label(site, name) for name in self.controls.get(site.name, {})
-                }
-                previous = self._previous[site.name]
-                heads = self._heads(site)
-                jobs.append(
-                    QKJob(step, site, previous, current[site.name], heads, labels, self.directions)
-                )
+        evaluating = self._previous_step is not None and step - self._previous_step == self.delta
+        measured = self._planned if evaluating else []
+        heads = {site.name: self._heads(site) for site in measured}
+        if evaluating:
             self._evaluation += 1
-        # Plan the next evaluation and take its "previous" snapshots now.
-        self._planned = self._plan()
-        self._previous = {
-            site.name: current[site.name] if site.name in current else self._snapshot(site)
-            for site in self._planned
-        }
-        self._previous_step = step
+            self.evaluated = step
+        # Plan the next evaluation: its "previous" snapshots are taken now (a layer measured
+        # now and planned again reuses its current snapshot).
+        # The plan moves on before the snapshots are taken: one that fails leaves no previous
+        # snapshot (that layer's next increment is skipped), never a plan out of step.
+        planned, previous = self._plan(), self._previous
+        self._planned, self._previous, self._previous_step = planned, {}, step
+        names = {site.name for site in measured}
+        taken = self._take(measured + [site for site in planned if site.name not in names])
+        self._previous = {site.name: taken[site.name] for site in planned}
+        jobs = [
+            job
+            for site in measured
+            if site.name in previous
+            and (
+                job := self._job(
+                    step, site, previous[site.name], taken[site.name], heads[site.name]
+                )
+            )
+            is not None
+        ]
         if jobs and self._cuda:  # the copies are asynchronous: the monitor thread waits on this
             event = torch.cuda.Event()
             event.record()
             for job in jobs:
                 job.ready = event
         return jobs
+
+    def _take(self, sites: list[AttentionSite]) -> dict[str, dict[str, torch.Tensor]]:
+        """Snapshots of ``sites`` (by name), all taken at this step."""
+        return {site.name: self._snapshot(site) for site in sites}
+
+    def _job(
+        self,
+        step: int,
+        site: AttentionSite,
+        previous: dict[str, torch.Tensor],
+        current: dict[str, torch.Tensor],
+        heads: list[int],
+    ) -> QKJob | None:
+        """The job measuring ``site``'s increment from ``previous`` to ``current``."""
+        labels = {name: control_label(site, name) for name in self.controls.get(site.name, {})}
+        return QKJob(step, site, previous, current, heads, labels, self.directions)
 
 
 @torch.no_grad()
@@ -312,6 +383,8 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
     if job.ready is not None:
         job.ready.synchronize()
     site, heads = job.site, job.heads
+    if not heads:  # a rank that measures only this layer's control matrices
+        return _control_samples(job)
     d, dh = site.d_model, site.head_dim
     wq0, wk0 = site.factors(job.previous, heads)  # (n, d, d_h) each; wk paired with each head
     wq1, wk1 = site.factors(job.current, heads)

@@ -119,10 +119,12 @@ def _context(event: IncidentEvent) -> dict[str, Any]:
         f"run {code_span(ctx.run_name)}",
         f"step {format_step(event.step)}",
         f"host {code_span(ctx.host)}",
-        f"rank {ctx.rank}",
+        f"rank {ctx.rank}" + (f" of {ctx.world_size}" if ctx.world_size > 1 else ""),
     ]
     if ctx.job_id:
         elements.append(f"job {code_span(str(ctx.job_id))}")
+    if ctx.ranks:
+        elements.append(f"ranks involved: {ctx.ranks}")
     elements.append(f"incident {code_span(event.incident.id)}")
     elements.append(f"event {code_span(event.event_id)}")
     return {"type": "context", "elements": _mrkdwn_elements(elements, MAX_CONTEXT_ELEMENTS)}
@@ -308,10 +310,13 @@ def render_text(event: IncidentEvent, *, limit: int | None = MAX_FALLBACK_TEXT) 
             lines += [f"  - {s}" for s in fixes]
     ctx = event.context
     job = f", job {ctx.job_id}" if ctx.job_id else ""
+    world = f" of {ctx.world_size}" if ctx.world_size > 1 else ""
     lines.append(
         f"Run {ctx.run_name}, step {format_step(event.step)}, host {ctx.host}, "
-        f"rank {ctx.rank}{job}; event {event.event_id}"
+        f"rank {ctx.rank}{world}{job}; event {event.event_id}"
     )
+    if ctx.ranks:
+        lines.append(f"Ranks involved: {ctx.ranks}")
     text = "\n".join(lines)
     return text if limit is None else truncate(text, limit)
 

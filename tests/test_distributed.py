@@ -1,0 +1,185 @@
+"""One agent per rank under DDP and FSDP2 (gloo, file:// rendezvous, spawned processes): one
+decision for the whole job, the monitor work spread over the ranks, sharded rollback with
+torch.distributed.checkpoint, pages from rank 0 naming the ranks involved, a hung rank named
+by the watchdog, a killed rank failing the job cleanly. What each rank runs is in
+tests/distributed_worker.py."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import distributed_worker as worker
+import pytest
+import torch.multiprocessing as mp
+
+from agent.distributed.checkpoint_format import MANIFEST, read_manifest, verify_file
+
+DDP = ["fault:ddp:spike", "fault:ddp:nan", "fault:ddp:raise", "fault:ddp:stall"]
+FSDP = ["fault:fsdp:spike", "fetch"]
+QK_METRICS = ("qk_delta2_entropy", "dwq_entropy", "wq_spectral_norm")
+
+
+def _spawn(tmp: Path, world: int, scenarios: list[str]) -> dict[str, list[dict]]:
+    mp.spawn(
+        worker.main, args=(world, f"file://{tmp}/rendezvous", str(tmp), scenarios), nprocs=world
+    )
+    return {
+        s: [json.loads((tmp / f"{s}.rank{r}.json").read_text()) for r in range(world)]
+        for s in scenarios
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict[str, list[dict]]:
+    return _spawn(tmp_path_factory.mktemp("ddp"), 2, DDP)
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory) -> dict[str, list[dict]]:
+    return _spawn(tmp_path_factory.mktemp("fsdp"), 2, FSDP)
+
+
+def _samples(result: dict) -> dict[tuple, float]:
+    """(step, metric, labels without DDP's "module." prefix) -> value, from the metrics log."""
+    out = {}
+    for record in result["metrics"]:
+        for step, metric, labels, value in record:
+            key = tuple(sorted((k, v.replace("module.", "")) for k, v in labels.items()))
+            out[(step, metric, key)] = value
+    return out
+
+
+def _same_everywhere(ranks: list[dict], *keys: str) -> None:
+    for key in keys:
+        assert all(r[key] == ranks[0][key] for r in ranks), key
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_a_loss_spike_on_one_rank_gives_one_decision_on_every_rank(wrap, request):
+    """Rank 1 alone reports a 20x loss at step 23: the mean over the ranks crosses the rule's
+    level, so every rank rolls back at step 25 (to the checkpoint of step 20, onset 23 -
+    margin 3) and then lowers the LR, at the same steps, ending with the same parameters and
+    learning rates; only rank 0 pages, naming rank 1's loss."""
+    ranks = request.getfixturevalue(wrap)[f"fault:{wrap}:spike"]
+    _same_everywhere(ranks, "moves", "actions", "alerts", "metrics", "params", "lr")
+    assert ranks[0]["moves"] == [[25, 21]]
+    assert ranks[0]["actions"] == [["rollback", "applied", 25], ["lower_lr", "applied", 20]]
+    no_fault = request.getfixturevalue("ddp")["fault:ddp:stall"][0]["lr"]
+    assert ranks[0]["lr"] == pytest.approx([no_fault[0] / 2], rel=1e-12)
+    pages = ranks[0]["pages"]
+    assert [p[0] for p in pages] == ["opened", "action", "action", "resolved"]
+    assert pages[0][2].startswith("local loss over steps 21-25: rank 1 19.9")
+    assert ranks[1]["pages"] == []
+    assert ranks[0]["checkpoints"] == [
+        "ckpt-0.dcp", "ckpt-0.dcp.json", "ckpt-20.dcp", "ckpt-20.dcp.json",
+        "ckpt-30.dcp", "ckpt-30.dcp.json",
+    ]  # fmt: skip
+
+
+def test_fsdp_measures_exactly_what_ddp_measures(ddp, fsdp):
+    """Same model, same batches: every sample of the FSDP2 run (each rank fetching only its
+    heads' rows of the sharded weights) equals the DDP run's, bit for bit, up to the rollback;
+    the router weight statistics of the sharded routers included."""
+    a, b = _samples(ddp["fault:ddp:spike"][0]), _samples(fsdp["fault:fsdp:spike"][0])
+    early = [k for k in a if k[0] <= 20]
+    assert len(early) > 300
+    assert {k[1] for k in early} >= {"router_eps", "qk_delta2_entropy", "control_update_entropy"}
+    assert all(a[k] == b[k] for k in early)
+
+
+def test_fsdp_fetches_only_the_rows_of_a_ranks_heads(fsdp):
+    for rank in fsdp["fetch"]:
+        assert rank["mismatches"] == [] and rank["same_samples"] and rank["jobs"] == 2
+        # q_proj [32, 32]: 2 of 4 heads (d_h 8); k_proj [16, 32]: both KV heads of those
+        assert rank["rows_held"]["blocks.0.attn.q_proj.weight"] == 16
+
+
+def test_the_qk_work_is_split_over_the_ranks(ddp):
+    """Each rank measures half of each layer's heads; together all of them, once."""
+    ranks = ddp["fault:ddp:spike"]
+    by_rank = [{(s, layer, h) for s, layer, heads in r["measured"] for h in heads} for r in ranks]
+    assert not by_rank[0] & by_rank[1]
+    evaluated = {(s, layer) for s, layer, _ in ranks[0]["measured"]} & {
+        (s, layer) for s, layer, _ in ranks[1]["measured"]
+    }
+    for s, layer in evaluated:
+        assert {h for r in by_rank for (s2, l2, h) in r if (s2, l2) == (s, layer)} == {0, 1, 2, 3}
+        assert len([h for (s2, l2, h) in by_rank[0] if (s2, l2) == (s, layer)]) == 2
+    heads = {k[2] for k in _samples(ranks[0]) if k[1] == "qk_delta2_entropy" and k[0] == 10}
+    assert len(heads) == 8  # 2 layers x 4 heads, gathered from both ranks
+
+
+def test_a_non_finite_loss_on_one_rank_rolls_every_rank_back(ddp):
+    ranks = ddp["fault:ddp:nan"]
+    _same_everywhere(ranks, "moves", "actions", "alerts", "metrics", "params", "lr")
+    assert ranks[0]["moves"] == [[25, 21]]
+    assert ranks[0]["actions"] == [["rollback", "applied", 25]]
+    assert ranks[0]["alerts"][1][:3] == [25, "loss_nonfinite", "pending->firing"]
+    assert ranks[0]["pages"][0][2].startswith("non-finite loss on rank 1; local loss over")
+
+
+def test_a_monitor_that_raises_on_one_rank_leaves_its_heads_out_everywhere(ddp):
+    """Rank 1's QK job of step 15 raises: at the apply step (17) both ranks get rank 0's heads
+    only, and carry on identically; rank 1 logs the error, rank 0 names rank 1."""
+    ranks = ddp["fault:ddp:raise"]
+    _same_everywhere(ranks, "moves", "actions", "alerts", "metrics", "params")
+    samples = _samples(ranks[0])
+    heads = {(k[2]) for k in samples if k[0] == 15 and k[1] == "qk_delta2_entropy"}
+    assert heads == {
+        (("head", "0"), ("layer", "blocks.0.attn")), (("head", "2"), ("layer", "blocks.0.attn")),
+        (("head", "1"), ("layer", "blocks.1.attn")), (("head", "3"), ("layer", "blocks.1.attn")),
+    }  # fmt: skip
+    assert len({k[2] for k in samples if k[0] == 20 and k[1] == "qk_delta2_entropy"}) == 8
+    assert ranks[1]["errors"] == [["qk monitor", "RuntimeError: monitor exploded on rank 1"]]
+    assert [e[0] for e in ranks[0]["errors"]] == ["rank 1"]
+
+
+def test_the_watchdog_names_a_rank_that_stops_stepping(ddp):
+    """Rank 1 sleeps 2.5 s before reporting step 23 while rank 0 waits in the next step:
+    rank 0's watchdog sees rank 1 behind and pages hung_run for rank 1 (not for itself), and
+    resolves it when rank 1 is back; the watchdog never touches the shared decisions."""
+    ranks = ddp["fault:ddp:stall"]
+    _same_everywhere(ranks, "moves", "actions", "metrics", "params", "lr")
+    hung = [a for a in ranks[0]["alerts"] if a[1] == "hung_run"]
+    assert [a[2] for a in hung] == ["inactive->pending", "pending->firing", "firing->inactive"]
+    assert all(a[3] == {"rank": "1"} for a in hung)
+    assert [(p[0], p[3]) for p in ranks[0]["pages"]] == [
+        ("opened", {"rank": "1"}),
+        ("resolved", {"rank": "1"}),
+    ]
+    assert ranks[0]["pages"][0][1].startswith("run-hung1-s")
+    assert ranks[1]["alerts"] == [] and ranks[1]["moves"] == []
+
+
+def test_a_killed_rank_fails_the_job_cleanly_and_leaves_nothing_that_counts(tmp_path):
+    """Rank 1 dies during the step-20 checkpoint, after its shard was written: rank 0 stops
+    with RankFailure within seconds; step 20 has no manifest (never counts), the committed
+    checkpoints verify, and a new store removes the leftover."""
+    ctx = multiprocessing.get_context("spawn")
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [ctx.Process(target=worker.killed, args=(r, 2, init, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 1]
+    outcome = (tmp_path / "killed.rank0.txt").read_text()
+    assert outcome.startswith("RankFailure: mechwatch: all_gather_object across 2 ranks failed")
+    ckpt = tmp_path / "killed" / "ckpt"
+    manifests = sorted(p.name for p in ckpt.iterdir() if MANIFEST.match(p.name))
+    assert manifests == ["ckpt-0.dcp.json", "ckpt-10.dcp.json"]
+    leftover = ckpt / "ckpt-20.dcp.tmp"
+    assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= set(os.listdir(leftover))
+    for name in manifests:
+        info, manifest = read_manifest(ckpt / name)
+        for file, (sha256, size) in manifest["files"].items():
+            verify_file(info.path / file, sha256, size)
+    from agent.distributed import World
+    from agent.distributed.checkpoints import DistributedCheckpointStore
+    from agent.testbed.model import MoETransformer
+
+    store = DistributedCheckpointStore(ckpt, world=World(0, 1), model=MoETransformer(worker.SHAPE))
+    assert not leftover.exists() and [i.step for i in store.checkpoints()] == [10, 0]
