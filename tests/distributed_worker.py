@@ -108,6 +108,8 @@ def _setup(run: Path, wrap: str, **config: Any):
     model = MoETransformer(SHAPE)
     if wrap == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif wrap == "tp":
+        _tensor_parallel(model)
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -133,13 +135,35 @@ def _setup(run: Path, wrap: str, **config: Any):
         "watchdog": {"check_every_s": 0.2},
     }
     base.update(config)
-    loader = Loader(dist.get_rank())
+    loader = Loader(0 if wrap == "tp" else dist.get_rank())  # TP ranks share their batches
     recorder = Recorder()
     agent = Agent(
         model, opt, sched, AgentConfig.model_validate(base),
         data_state=loader.state, restore_data=loader.restore, notifiers=[recorder],
     )  # fmt: skip
+    if wrap == "tp":  # discovery read the global head counts; each rank runs its local heads
+        for attn in model.attention_modules():
+            attn.num_heads //= dist.get_world_size()
+            attn.num_kv_heads //= dist.get_world_size()
     return model, opt, sched, loader, agent, recorder
+
+
+def _tensor_parallel(model: MoETransformer) -> None:
+    """Column-parallel q/k/v and row-parallel o_proj (each rank holds half of the heads)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plan = {}
+    for i in range(len(model.blocks)):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.o_proj"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
 
 
 def _train_step(model, opt, sched, batch) -> torch.Tensor:
@@ -232,49 +256,83 @@ def fault(rank: int, run: Path, scenario: str) -> dict[str, Any]:
 
 
 def fetch(rank: int, run: Path, scenario: str) -> dict[str, Any]:
-    """FSDP2: a rank's fetched Q/K rows are exactly the full weight's rows of its heads, and
-    its monitors measure on them exactly what they measure on the full weights."""
+    """``fetch:<gqa|mqa|tp>``: a rank's snapshot rows are exactly the full weight's rows its
+    heads need, and its monitors measure on them exactly what they measure on full weights.
+    gqa: FSDP2, shards on head boundaries (each rank its local heads); mqa: FSDP2, the one KV
+    head split over both ranks (round robin, rows sent point to point); tp: column-parallel
+    q/k/v and row-parallel o_proj on a 2-rank mesh (local heads; o_proj fetched by columns)."""
     from agent.discovery import find_attention
+    from agent.discovery.controls import find_controls
     from agent.distributed import World
     from agent.distributed.assignment import heads_of
     from agent.distributed.snapshots import ShardedQKSnapshots, expand_job
     from agent.probes import QKJob, compute_qk_samples
 
-    model, opt, sched, loader, agent, _ = _setup(run, "fsdp", checkpoints={"enabled": False})
-    agent.close()
-    sites = find_attention(model)
+    kind = scenario.split(":")[1]
+    torch.manual_seed(0)
+    shape = SHAPE.model_copy(update={"n_kv_heads": 1}) if kind == "mqa" else SHAPE
+    model = MoETransformer(shape)
+    if kind == "tp":
+        _tensor_parallel(model)
+        sites = find_attention(model)  # the modules still say the global head counts
+        for attn in model.attention_modules():  # each rank runs its local heads
+            attn.num_heads //= dist.get_world_size()
+            attn.num_kv_heads //= dist.get_world_size()
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    sites = find_attention(model) if kind != "tp" else sites
+    controls = {s.name: find_controls(model, s, [], 4) for s in sites}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     world = World.detect()
-    snaps = ShardedQKSnapshots(sites, world=world, delta=1)
-    full_before = {n: p.full_tensor().float() for n, p in model.named_parameters()}
+    snaps = ShardedQKSnapshots(sites, world=world, delta=1, controls=controls)
+
+    def full() -> dict[str, torch.Tensor]:
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in model.named_parameters()
+        }
+
+    before = full()
     assert snaps.on_step(0) == []
-    _train_step(model, opt, sched, loader.next())
-    full_after = {n: p.full_tensor().float() for n, p in model.named_parameters()}
+    batch = torch.randint(
+        0,
+        shape.vocab,
+        (2, shape.seq_len),
+        generator=torch.Generator().manual_seed(rank if kind != "tp" else 0),
+    )
+    logits, aux = model(batch)
+    (logits.float().logsumexp(-1).mean() + aux).backward()
+    opt.step()
+    after = full()
     jobs = snaps.on_step(1)
-    rows_held, mismatches, same = {}, [], True
+    rows, mismatches, same = {}, [], True
     for layer, site in enumerate(sites):
         for name, held in snaps._previous[site.name].items():
             index = held.index if held.index is not None else torch.arange(held.shape[0])
-            rows_held[name] = len(index)
-            if not torch.equal(held.values, full_after[name][index]):
+            rows[name] = len(index)
+            if not torch.equal(held.values, after[name][index]):
                 mismatches.append(name)
-        assert sorted(h for j in jobs if j.site is site for h in j.heads) == heads_of(
-            layer, site.num_heads, rank, world.size
-        )
+        owners = snaps.owners[site.name]
+        mine = heads_of(layer, site.num_heads, rank, world.size, owners)
+        assert sorted(h for j in jobs if j.site is site for h in j.heads) == mine
     for job in jobs:
-        names = list(job.site.parameters_to_snapshot())
+        names = [*job.site.parameters_to_snapshot(), *job.controls]
         reference = QKJob(
-            job.step, job.site, {n: full_before[n] for n in names},
-            {n: full_after[n] for n in names}, job.heads,
+            job.step, job.site, {n: before[n] for n in names}, {n: after[n] for n in names},
+            job.heads, job.controls,
         )  # fmt: skip
-        got = [
-            s
-            for s in compute_qk_samples(expand_job(job))
-            if s.metric != "control_update_entropy" and s.metric != "control_update_rel_norm"
-        ]
         want = compute_qk_samples(reference)
-        same = same and got == want and len(want) > 0
-    return {"rows_held": rows_held, "mismatches": mismatches, "same_samples": same,
-            "jobs": len(jobs)}  # fmt: skip
+        same = same and compute_qk_samples(expand_job(job)) == want and len(want) > 0
+    return {
+        "rows_held": rows, "mismatches": mismatches, "same_samples": same, "jobs": len(jobs),
+        "owners": [snaps.owners[s.name] for s in sites],
+        "measured": sorted((j.site.name, h) for j in jobs for h in j.heads),
+        "controls": sorted(label for j in jobs for label in j.controls.values()),
+    }  # fmt: skip
 
 
 SCENARIOS = {"fault": fault, "fetch": fetch}

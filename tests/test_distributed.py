@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from agent.distributed.checkpoint_format import MANIFEST, read_manifest, verify_file
 
 DDP = ["fault:ddp:spike", "fault:ddp:nan", "fault:ddp:raise", "fault:ddp:stall"]
-FSDP = ["fault:fsdp:spike", "fetch"]
+SHARDED = ["fault:fsdp:spike", "fault:tp:spike", "fetch:gqa", "fetch:mqa", "fetch:tp"]
 QK_METRICS = ("qk_delta2_entropy", "dwq_entropy", "wq_spectral_norm")
 
 
@@ -38,8 +38,9 @@ def ddp(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory) -> dict[str, list[dict]]:
-    return _spawn(tmp_path_factory.mktemp("fsdp"), 2, FSDP)
+def sharded(tmp_path_factory) -> dict[str, list[dict]]:
+    """FSDP2 and tensor-parallel runs."""
+    return _spawn(tmp_path_factory.mktemp("sharded"), 2, SHARDED)
 
 
 def _samples(result: dict) -> dict[tuple, float]:
@@ -57,17 +58,18 @@ def _same_everywhere(ranks: list[dict], *keys: str) -> None:
         assert all(r[key] == ranks[0][key] for r in ranks), key
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_a_loss_spike_on_one_rank_gives_one_decision_on_every_rank(wrap, request):
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "tp"])
+def test_a_loss_spike_on_one_rank_gives_one_decision_on_every_rank(wrap, ddp, sharded):
     """Rank 1 alone reports a 20x loss at step 23: the mean over the ranks crosses the rule's
     level, so every rank rolls back at step 25 (to the checkpoint of step 20, onset 23 -
-    margin 3) and then lowers the LR, at the same steps, ending with the same parameters and
-    learning rates; only rank 0 pages, naming rank 1's loss."""
-    ranks = request.getfixturevalue(wrap)[f"fault:{wrap}:spike"]
+    margin 3: torch.distributed.checkpoint, each rank's data position) and then lowers the
+    LR, at the same steps, ending with the same parameters and learning rates; only rank 0
+    pages, naming rank 1's loss."""
+    ranks = (ddp if wrap == "ddp" else sharded)[f"fault:{wrap}:spike"]
     _same_everywhere(ranks, "moves", "actions", "alerts", "metrics", "params", "lr")
-    assert ranks[0]["moves"] == [[25, 21]]
+    assert ranks[0]["moves"] == [[25, 21]]  # and the restored weights are step 20's (worker)
     assert ranks[0]["actions"] == [["rollback", "applied", 25], ["lower_lr", "applied", 20]]
-    no_fault = request.getfixturevalue("ddp")["fault:ddp:stall"][0]["lr"]
+    no_fault = ddp["fault:ddp:stall"][0]["lr"]
     assert ranks[0]["lr"] == pytest.approx([no_fault[0] / 2], rel=1e-12)
     pages = ranks[0]["pages"]
     assert [p[0] for p in pages] == ["opened", "action", "action", "resolved"]
@@ -79,22 +81,43 @@ def test_a_loss_spike_on_one_rank_gives_one_decision_on_every_rank(wrap, request
     ]  # fmt: skip
 
 
-def test_fsdp_measures_exactly_what_ddp_measures(ddp, fsdp):
-    """Same model, same batches: every sample of the FSDP2 run (each rank fetching only its
-    heads' rows of the sharded weights) equals the DDP run's, bit for bit, up to the rollback;
-    the router weight statistics of the sharded routers included."""
-    a, b = _samples(ddp["fault:ddp:spike"][0]), _samples(fsdp["fault:fsdp:spike"][0])
+def test_fsdp_measures_exactly_what_ddp_measures(ddp, sharded):
+    """Same model, same batches: every sample of the FSDP2 run (each rank holding only its
+    heads' rows of the sharded weights) equals the DDP run's, bit for bit, up to the
+    rollback; the router weight statistics of the sharded routers included."""
+    a, b = _samples(ddp["fault:ddp:spike"][0]), _samples(sharded["fault:fsdp:spike"][0])
     early = [k for k in a if k[0] <= 20]
     assert len(early) > 300
     assert {k[1] for k in early} >= {"router_eps", "qk_delta2_entropy", "control_update_entropy"}
     assert all(a[k] == b[k] for k in early)
 
 
-def test_fsdp_fetches_only_the_rows_of_a_ranks_heads(fsdp):
-    for rank in fsdp["fetch"]:
-        assert rank["mismatches"] == [] and rank["same_samples"] and rank["jobs"] == 2
-        # q_proj [32, 32]: 2 of 4 heads (d_h 8); k_proj [16, 32]: both KV heads of those
-        assert rank["rows_held"]["blocks.0.attn.q_proj.weight"] == 16
+@pytest.mark.parametrize(
+    ("layout", "owners", "k_rows"),
+    [
+        ("gqa", [[0, 0, 1, 1]] * 2, 8),  # FSDP2 shards on head boundaries: local heads
+        ("mqa", [None, None], 8),  # the one KV head on both ranks: round robin, sent
+        ("tp", [[0, 0, 1, 1]] * 2, 8),  # column-parallel heads: each rank its own
+    ],
+)
+def test_a_rank_holds_and_measures_only_its_heads_of_a_sharded_weight(
+    sharded, layout, owners, k_rows
+):
+    """Each rank's snapshot holds exactly the full weight's rows of its heads (half of
+    q_proj's 32 rows, its KV heads' rows of k_proj), and the monitors measure on them what
+    they measure on the full weights; the control matrices of the layer a rank owns come
+    whole (o_proj row-parallel under TP: its columns from both ranks)."""
+    ranks = sharded[f"fetch:{layout}"]
+    measured = [set(map(tuple, r["measured"])) for r in ranks]
+    assert not measured[0] & measured[1] and len(measured[0] | measured[1]) == 8
+    for rank, result in enumerate(ranks):
+        assert result["mismatches"] == [] and result["same_samples"] and result["jobs"] == 2
+        assert result["owners"] == owners
+        held = result["rows_held"]
+        assert held["blocks.0.attn.q_proj.weight"] == held["blocks.1.attn.q_proj.weight"] == 16
+        assert held["blocks.0.attn.k_proj.weight"] == k_rows
+        assert held[f"blocks.{rank}.attn.o_proj.weight"] == 32  # this rank's layer: whole
+        assert f"blocks.{1 - rank}.attn.o_proj.weight" not in held
 
 
 def test_the_qk_work_is_split_over_the_ranks(ddp):

@@ -1,8 +1,13 @@
 """Which rank measures what: the monitor work spread over the ranks, about 1/world each.
 
-- query head ``h`` of the ``i``-th attention layer: rank ``(i + h) % world``, round robin, so
-  that every evaluation (all heads of a few layers, or a rotating window of heads) is spread
-  over the ranks; the head's KV factor comes with it;
+- query head ``h`` of the ``i``-th attention layer: the rank that holds its rows when the
+  layer's Q and K weights are sharded by rows across the ranks with every head and its KV
+  head on one rank (``fetch.head_owners``: tensor-parallel heads, FSDP2 shards that fall on
+  head boundaries): each rank measures its local heads, nothing moves (with a window of
+  ``heads_per_layer`` < H heads, one evaluation may then fall on fewer ranks; balanced over
+  ceil(H / heads_per_layer) visits); otherwise rank
+  ``(i + h) % world``, round robin, so that every evaluation (all heads of a few layers, or a
+  rotating window of heads) is spread over the ranks; the head's KV factor comes with it;
 - the ``i``-th layer's control matrices (values, output projection, MLP): rank ``i % world``;
 - the ``j``-th router's weight statistics (conditioning ratio, similarity): rank
   ``j % world``; the routing sums are every rank's own (each rank routes its own tokens) and
@@ -23,8 +28,10 @@ from agent.discovery.sites import HeadSlices
 Need = list[int] | None
 
 
-def head_rank(layer: int, head: int, world: int) -> int:
-    return (layer + head) % world
+def head_rank(layer: int, head: int, world: int, owners: list[int] | None = None) -> int:
+    """The rank that measures query head ``head`` of the ``layer``-th attention layer
+    (``owners``: the rank holding each head's rows, when they are local to one rank)."""
+    return owners[head] if owners is not None else (layer + head) % world
 
 
 def control_rank(layer: int, world: int) -> int:
@@ -35,18 +42,25 @@ def router_rank(router: int, world: int) -> int:
     return router % world
 
 
-def heads_of(layer: int, num_heads: int, rank: int, world: int) -> list[int]:
+def heads_of(
+    layer: int, num_heads: int, rank: int, world: int, owners: list[int] | None = None
+) -> list[int]:
     """The query heads of the ``layer``-th attention layer that ``rank`` measures."""
-    return [h for h in range(num_heads) if head_rank(layer, h, world) == rank]
+    return [h for h in range(num_heads) if head_rank(layer, h, world, owners) == rank]
 
 
 def rows_needed(
-    site: AttentionSite, layer: int, rank: int, world: int, controls: list[str]
+    site: AttentionSite,
+    layer: int,
+    rank: int,
+    world: int,
+    controls: list[str],
+    owners: list[int] | None = None,
 ) -> dict[str, Need]:
     """Parameter name -> the rows ``rank`` needs of it to measure its heads of ``site`` (the
     ``layer``-th attention layer) and, when it owns them, the layer's ``controls``; names it
     needs nothing of are left out."""
-    heads = heads_of(layer, site.num_heads, rank, world)
+    heads = heads_of(layer, site.num_heads, rank, world, owners)
     rows: dict[str, set[int] | None] = {}
     if heads:
         kv = sorted({site.kv_head(h) for h in heads})

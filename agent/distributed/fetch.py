@@ -8,12 +8,13 @@ arguments (the plan is deterministic): for sharded weights it is a collective.
 
 - a plain tensor (DDP: every rank holds the whole weight) or a replicated DTensor: the rows
   are copied locally, no communication;
-- a DTensor sharded along dim 0 on one mesh dimension (FSDP2's ``Shard(0)``, HSDP, a
-  column-parallel projection): each owner sends each rank the rows it needs of the owner's
-  shard, with point-to-point sends batched into one ``batch_isend_irecv`` per process group
-  (fp32); nothing else of the weight moves, never a full unshard;
-- any other placement (a 2-D FSDP + TP strided shard, a row-wise shard): ``full_tensor()`` of
-  that parameter on every rank, with a warning naming it once.
+- a DTensor sharded along one dimension on one mesh dimension (FSDP2's ``Shard(0)``, HSDP, a
+  column-parallel projection's ``Shard(0)``, a row-parallel one's ``Shard(1)``): each owner
+  sends each rank what it holds of the rows that rank needs, with point-to-point sends
+  batched into one ``batch_isend_irecv`` per process group (fp32); nothing else of the weight
+  moves, never a full unshard;
+- any other placement (a 2-D FSDP + TP strided shard): ``full_tensor()`` of that parameter on
+  every rank, with a warning naming it once.
 """
 
 from __future__ import annotations
@@ -71,30 +72,61 @@ def fetch_rows(
 ) -> dict[str, Rows]:
     """See the module docstring."""
     out: dict[str, Rows] = {}
-    groups: dict[Any, list[tuple[str, torch.Tensor, list[Need]]]] = {}
+    groups: dict[Any, list[tuple[str, torch.Tensor, list[Need], int]]] = {}
     for (name, p), need in zip(params, needs, strict=True):
         p = p.detach()
-        shard_dim = _shard_mesh_dim(p)
-        if shard_dim is None or shard_dim < 0:  # plain, replicated, or fetched whole
+        sharding = _sharding(p)
+        if sharding is None:  # plain, replicated, or a layout fetched whole
             whole = _whole(name, p)
             if need[world.rank] != []:
                 out[name] = _local_rows(whole, need[world.rank], tuple(p.shape), device)
             continue
-        group = p.device_mesh.get_group(shard_dim)
-        groups.setdefault(group, []).append((name, p, need))
+        mesh_dim, dim = sharding
+        groups.setdefault(p.device_mesh.get_group(mesh_dim), []).append((name, p, need, dim))
     for group, members in groups.items():
         out.update(_exchange(group, members, world, device))
     return out
 
 
-def _shard_mesh_dim(p: torch.Tensor) -> int | None:
-    """The mesh dimension ``p`` is sharded on along dim 0, when that is its only shard."""
+def head_owners(
+    q: torch.Tensor, q_starts: list[int], k: torch.Tensor, k_starts: list[int],
+    kv_of: list[int], head_dim: int, world: World,
+) -> list[int] | None:  # fmt: skip
+    """The rank holding each query head's rows when the Q and K weights ([out, d]) are
+    sharded by rows over the agent's whole group and each query head lies on one rank with
+    its KV head (``kv_of[h]``); None otherwise (then heads go round robin)."""
+    owners = []
+    for p, starts in ((q, q_starts), (k, k_starts)):
+        sharding = _sharding(p) if world.collective else None
+        if sharding is None or sharding[1] != 0:
+            return None
+        group = p.device_mesh.get_group(sharding[0])
+        ranks = [_world_rank(world, g) for g in dist.get_process_group_ranks(group)]
+        if len(ranks) != world.size or None in ranks:
+            return None
+        bounds = [_bounds(p.shape[0], len(ranks), g) for g in range(len(ranks))]
+        where = []
+        for start in starts:
+            g = next((g for g, (lo, hi) in enumerate(bounds) if lo <= start < hi), None)
+            if g is None or start + head_dim > bounds[g][1]:
+                return None
+            where.append(ranks[g])
+        owners.append(where)
+    q_owner, k_owner = owners
+    if any(q_owner[h] != k_owner[g] for h, g in enumerate(kv_of)):
+        return None
+    return q_owner
+
+
+def _sharding(p: torch.Tensor) -> tuple[int, int] | None:
+    """(mesh dimension, tensor dimension) of ``p``'s one shard, the other mesh dimensions
+    replicated; None for a plain or replicated tensor or any other layout."""
     if not is_sharded(p):
         return None
     dims = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
-    if len(dims) == 1 and type(p.placements[dims[0]]) is Shard and p.placements[dims[0]].dim == 0:
-        return dims[0]
-    return -1  # another layout: fetched whole
+    if len(dims) == 1 and type(p.placements[dims[0]]) is Shard:
+        return dims[0], p.placements[dims[0]].dim % p.dim()
+    return None
 
 
 def _whole(name: str, p: torch.Tensor) -> torch.Tensor:
@@ -126,72 +158,81 @@ def _fp32(t: torch.Tensor, target: torch.device) -> torch.Tensor:
 
 
 def _bounds(n: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows [lo, hi) of shard ``index`` of ``n`` rows in ``parts`` (torch.chunk, as DTensor)."""
+    """[lo, hi) of shard ``index`` of ``n`` along a dimension in ``parts`` (torch.chunk, as
+    DTensor's Shard)."""
     size = math.ceil(n / parts) if n else 0
     return min(index * size, n), min((index + 1) * size, n)
+
+
+def _exchange(
+    group: Any,
+    members: list[tuple[str, torch.Tensor, list[Need], int]],
+    world: World,
+    device: str | None,
+) -> dict[str, Rows]:
+    """One batched point-to-point exchange on ``group`` of the needed rows (dim 0) of
+    parameters sharded along ``dim``: along dim 0 an owner sends the needed rows it holds;
+    along another dimension every owner sends its block of the needed rows."""
+    ranks = dist.get_process_group_ranks(group)  # group rank -> job-wide rank
+    me = dist.get_rank(group)
+    peers = [_world_rank(world, g) for g in ranks]
+    send: dict[int, list[torch.Tensor]] = {g: [] for g in range(len(ranks))}
+    recv_numel = dict.fromkeys(range(len(ranks)), 0)
+    plan = []  # per parameter: name, shape, dim, rows needed here, [(owner, rows, piece shape)]
+    for name, p, need, dim in members:
+        shape, local = tuple(p.shape), p.to_local()
+        lo, hi = _bounds(shape[dim], len(ranks), me)
+        assert local.shape[dim] == hi - lo, (name, tuple(local.shape), dim, lo, hi)
+        for g, peer in enumerate(peers):
+            rows = _held(_wanted(need[peer], shape[0]) if peer is not None else [], dim, lo, hi)
+            if rows and g != me and local.numel():
+                send[g].append(local[_local_index(rows, dim, lo, local)].reshape(-1).float())
+        mine = _wanted(need[world.rank], shape[0])
+        pieces = []
+        for g in range(len(ranks)):
+            g_lo, g_hi = _bounds(shape[dim], len(ranks), g)
+            rows = _held(mine, dim, g_lo, g_hi)
+            piece = [len(rows), *shape[1:]]
+            if dim:
+                piece[dim] = g_hi - g_lo
+            if rows and math.prod(piece):
+                pieces.append((g, rows, piece, g_lo))
+                recv_numel[g] += math.prod(piece) if g != me else 0
+        plan.append((name, shape, dim, mine, pieces, lo, local))
+    buffers = _send_and_receive(group, ranks, me, send, recv_numel, members[0][1].to_local())
+    offsets = dict.fromkeys(range(len(ranks)), 0)
+    out: dict[str, Rows] = {}
+    for name, shape, dim, mine, pieces, lo, local in plan:
+        if not mine:
+            continue
+        parts = []
+        for g, rows, piece, _ in pieces:
+            if g == me:
+                parts.append(local[_local_index(rows, dim, lo, local)].float())
+                continue
+            count = math.prod(piece)
+            parts.append(buffers[g][offsets[g] : offsets[g] + count].view(*piece))
+            offsets[g] += count
+        values = torch.cat(parts, dim=dim)
+        target = values.device if device is None else torch.device(device)
+        index = None if len(mine) == shape[0] else torch.tensor(mine, dtype=torch.long)
+        out[name] = Rows(index, _fp32(values, target), shape)
+    return out
 
 
 def _wanted(need: Need, n: int) -> list[int]:
     return list(range(n)) if need is None else need
 
 
-def _exchange(
-    group: Any,
-    members: list[tuple[str, torch.Tensor, list[Need]]],
-    world: World,
-    device: str | None,
-) -> dict[str, Rows]:
-    """One batched point-to-point exchange of the needed rows of dim-0 shards on ``group``."""
-    ranks = dist.get_process_group_ranks(group)  # group rank -> global rank
-    me = dist.get_rank(group)
-    peers = [_world_rank(world, g) for g in ranks]
-    send: dict[int, list[torch.Tensor]] = {g: [] for g in range(len(ranks))}
-    recv_numel = dict.fromkeys(range(len(ranks)), 0)
-    plan = []  # per parameter: (name, p, [(src, rows it sends)], rows needed here, lo, shard)
-    for name, p, need in members:
-        n, local = p.shape[0], p.to_local()
-        row_numel = math.prod(p.shape[1:])
-        lo, hi = _bounds(n, len(ranks), me)
-        assert local.shape[0] == hi - lo, (name, tuple(local.shape), lo, hi)
-        for g in range(len(ranks)):
-            theirs = [] if peers[g] is None else _wanted(need[peers[g]], n)
-            rows = [r - lo for r in theirs if lo <= r < hi]
-            if rows and g != me:
-                index = torch.tensor(rows, dtype=torch.long, device=local.device)
-                send[g].append(local[index].reshape(-1).float())
-        mine = _wanted(need[world.rank], n) if need[world.rank] != [] else []
-        pieces = []
-        for g in range(len(ranks)):
-            g_lo, g_hi = _bounds(n, len(ranks), g)
-            rows = [r for r in mine if g_lo <= r < g_hi]
-            pieces.append((g, rows))
-            if g != me:
-                recv_numel[g] += len(rows) * row_numel
-        plan.append((name, p, pieces, mine, lo, local))
-    buffers = _send_and_receive(group, ranks, me, send, recv_numel, members[0][1].to_local())
-    offsets = dict.fromkeys(range(len(ranks)), 0)
-    out: dict[str, Rows] = {}
-    for name, p, pieces, mine, lo, local in plan:
-        if not mine:
-            continue
-        row_shape = tuple(p.shape[1:])
-        parts = []
-        for g, rows in pieces:
-            if not rows:
-                continue
-            if g == me:
-                index = torch.tensor([r - lo for r in rows], dtype=torch.long, device=local.device)
-                parts.append(local[index].float())
-                continue
-            count = len(rows) * math.prod(row_shape)
-            parts.append(buffers[g][offsets[g] : offsets[g] + count].view(len(rows), *row_shape))
-            offsets[g] += count
-        values = torch.cat(parts)
-        target = values.device if device is None else torch.device(device)
-        whole = len(mine) == p.shape[0]
-        index = None if whole else torch.tensor(mine, dtype=torch.long)
-        out[name] = Rows(index, _fp32(values, target), tuple(p.shape))
-    return out
+def _held(rows: list[int], dim: int, lo: int, hi: int) -> list[int]:
+    """The ``rows`` (dim 0) an owner of [lo, hi) along ``dim`` sends: along dim 0 those in its
+    range, along another dimension all of them (its block of each)."""
+    return [r for r in rows if lo <= r < hi] if dim == 0 else rows
+
+
+def _local_index(rows: list[int], dim: int, lo: int, local: torch.Tensor) -> torch.Tensor:
+    shifted = [r - lo for r in rows] if dim == 0 else rows
+    return torch.tensor(shifted, dtype=torch.long, device=local.device)
 
 
 def _send_and_receive(

@@ -4,7 +4,9 @@
 Every rank plans the same evaluations (the same layers, the same rotating head windows) and
 takes part in the same row fetches (``fetch.fetch_rows``: a collective for sharded weights),
 but snapshots only the rows its heads need (and whole control matrices of the layers it owns)
-and measures only its heads: about 1/world of the work each. A snapshot is a mapping of
+and measures only its heads: about 1/world of the work each. Where a layer's heads are local
+to one rank each (tensor-parallel heads; FSDP2 shards on head boundaries) a rank measures its
+local heads and its Q/K rows never move. A snapshot is a mapping of
 parameter name to ``fetch.Rows``; ``expand_job`` turns a job's snapshots into full-shape
 tensors on the monitor thread (zeros in the rows of other ranks' heads), which the monitors
 read exactly as in one process.
@@ -19,7 +21,7 @@ import torch
 from agent.discovery import AttentionSite
 from agent.discovery.controls import control_label
 from agent.distributed.assignment import control_rank, head_rank, rows_needed
-from agent.distributed.fetch import Rows, fetch_rows
+from agent.distributed.fetch import Rows, fetch_rows, head_owners
 from agent.distributed.world import World
 from agent.probes import QKJob, QKSnapshots
 
@@ -31,6 +33,9 @@ class ShardedQKSnapshots(QKSnapshots):
         super().__init__(sites, **kwargs)
         self.world = world
         self._index = {site.name: i for i, site in enumerate(sites)}
+        # Per layer: the rank holding each query head's rows, when heads are local (TP, FSDP2
+        # shards on head boundaries); None: round robin (``assignment``).
+        self.owners = {site.name: _owners(site, world) for site in sites}
 
     def _take(self, sites: list[AttentionSite]) -> dict[str, dict[str, Rows]]:
         """This rank's rows of ``sites``, fetched for every rank at once."""
@@ -40,8 +45,9 @@ class ShardedQKSnapshots(QKSnapshots):
         for site in sites:
             controls = self.controls.get(site.name, {})
             live = {**site.parameters_to_snapshot(), **controls}
+            layer, owners = self._index[site.name], self.owners[site.name]
             per_rank = [
-                rows_needed(site, self._index[site.name], r, self.world.size, list(controls))
+                rows_needed(site, layer, r, self.world.size, list(controls), owners)
                 for r in range(self.world.size)
             ]
             for name, p in live.items():
@@ -59,13 +65,29 @@ class ShardedQKSnapshots(QKSnapshots):
         self, step: int, site: AttentionSite, previous: dict, current: dict, heads: list[int]
     ) -> QKJob | None:
         layer = self._index[site.name]
-        mine = [h for h in heads if head_rank(layer, h, self.world.size) == self.world.rank]
+        owners = self.owners[site.name]
+        mine = [h for h in heads if head_rank(layer, h, self.world.size, owners) == self.world.rank]
         owns_controls = control_rank(layer, self.world.size) == self.world.rank
         if not (mine or owns_controls and self.controls.get(site.name)):
             return None
         controls = self.controls.get(site.name, {}) if owns_controls else {}
         labels = {name: control_label(site, name) for name in controls}
         return QKJob(step, site, previous, current, mine, labels, self.directions)
+
+
+def _owners(site: AttentionSite, world: World) -> list[int] | None:
+    q, k = site.q, site.k
+    if q.input_major or k.input_major or q.latent is not None or k.latent is not None:
+        return None
+    return head_owners(
+        site.live_parameters[q.weight_name],
+        list(q.starts),
+        site.live_parameters[k.weight_name],
+        list(k.starts),
+        [site.kv_head(h) for h in range(site.num_heads)],
+        site.head_dim,
+        world,
+    )
 
 
 def expand_job(job: QKJob) -> QKJob:
