@@ -1,8 +1,8 @@
-"""One agent per rank under DDP and FSDP2 (gloo, file:// rendezvous, spawned processes): one
-decision for the whole job, the monitor work spread over the ranks, sharded rollback with
-torch.distributed.checkpoint, pages from rank 0 naming the ranks involved, a hung rank named
-by the watchdog, a killed rank failing the job cleanly. What each rank runs is in
-tests/distributed_worker.py."""
+"""One agent per rank under DDP, FSDP2 and tensor parallelism, on 2 and 4 ranks (gloo,
+file:// rendezvous, spawned processes): one decision for the whole job, the monitor work
+spread over the ranks, sharded rollback with torch.distributed.checkpoint, pages from rank 0
+naming the ranks involved, a hung rank named by the watchdog, a killed rank failing the job
+cleanly. What each rank runs is in tests/distributed_worker.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from agent.distributed.checkpoint_format import MANIFEST, read_manifest, verify_
 
 DDP = ["fault:ddp:spike", "fault:ddp:nan", "fault:ddp:raise", "fault:ddp:stall"]
 SHARDED = ["fault:fsdp:spike", "fault:tp:spike", "fetch:gqa", "fetch:mqa", "fetch:tp"]
+FOUR = ["fault:ddp:spike", "fault:fsdp:spike"]
 QK_METRICS = ("qk_delta2_entropy", "dwq_entropy", "wq_spectral_norm")
 
 
@@ -41,6 +42,12 @@ def ddp(tmp_path_factory) -> dict[str, list[dict]]:
 def sharded(tmp_path_factory) -> dict[str, list[dict]]:
     """FSDP2 and tensor-parallel runs."""
     return _spawn(tmp_path_factory.mktemp("sharded"), 2, SHARDED)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> dict[str, list[dict]]:
+    """DDP and FSDP2 on 4 ranks."""
+    return _spawn(tmp_path_factory.mktemp("four"), 4, FOUR)
 
 
 def _samples(result: dict) -> dict[tuple, float]:
@@ -79,6 +86,53 @@ def test_a_loss_spike_on_one_rank_gives_one_decision_on_every_rank(wrap, ddp, sh
         "ckpt-0.dcp", "ckpt-0.dcp.json", "ckpt-20.dcp", "ckpt-20.dcp.json",
         "ckpt-30.dcp", "ckpt-30.dcp.json",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_four_ranks_take_one_decision_and_split_the_qk_work_in_four(wrap, four):
+    """The same spike on rank 1 of 4 (the mean of the local losses still crosses 20): every
+    rank rolls back at step 25 and lowers the LR, ending with the same parameters and
+    learning rates; rank 0 pages naming all four ranks' losses, rank 1's first; each rank
+    measures one head of each layer (2 of the 8), all 8 measured once per evaluation. A
+    hung_run alert of rank 0's watchdog is left out of the comparison: 4 processes on a
+    loaded 2-core machine can lag a second, and the watchdog is rank 0's alone."""
+    ranks = four[f"fault:{wrap}:spike"]
+    for r in ranks:
+        r["alerts"] = [a for a in r["alerts"] if a[1] != "hung_run"]
+        r["pages"] = [p for p in r["pages"] if not p[1].startswith("run-hung")]
+    _same_everywhere(ranks, "moves", "actions", "alerts", "metrics", "params", "lr")
+    assert ranks[0]["moves"] == [[25, 21]]
+    assert ranks[0]["actions"] == [["rollback", "applied", 25], ["lower_lr", "applied", 20]]
+    assert len(ranks[0]["lr"]) == 1 and ranks[0]["lr"] == ranks[3]["lr"]
+    pages = ranks[0]["pages"]
+    assert [p[0] for p in pages] == ["opened", "action", "action", "resolved"]
+    assert pages[0][2].startswith("local loss over steps 21-25: rank 1 19.9")
+    assert all(f"rank {r} 4." in pages[0][2] for r in (0, 2, 3))
+    assert all(r["pages"] == [] for r in ranks[1:])
+    assert ranks[0]["checkpoints"][-2:] == ["ckpt-30.dcp", "ckpt-30.dcp.json"]
+    by_rank = [{(s, layer, h) for s, layer, heads in r["measured"] for h in heads} for r in ranks]
+    steps = {s for s, _, _ in ranks[0]["measured"] if s <= 30}  # 35's: cut short by close()
+    assert steps == {5, 10, 15, 20, 25, 30}
+    for step in steps:
+        heads = [{(layer, h) for s, layer, h in mine if s == step} for mine in by_rank]
+        assert [len(h) for h in heads] == [2, 2, 2, 2], step  # one head of each of 2 layers
+        assert len(set().union(*heads)) == 8
+    qk = {k[2] for k in _samples(ranks[0]) if k[1] == "qk_delta2_entropy" and k[0] == 10}
+    assert len(qk) == 8  # gathered from all four ranks
+
+
+def test_fsdp_on_four_ranks_measures_exactly_what_ddp_measures(four):
+    """4 ranks: the FSDP2 run's q_proj shards hold one head each and k_proj's KV heads
+    straddle two shards (round robin, rows sent point to point); its samples equal the DDP
+    run's up to the rollback, to rounding: over 4 ranks DDP's all-reduce and FSDP2's
+    reduce-scatter sum the gradients in different orders, so the weights differ in the last
+    bits from step 1 (measured: at most 2.4e-6 relative); over 2 ranks they agree bit for
+    bit (test_fsdp_measures_exactly_what_ddp_measures)."""
+    a = _samples(four["fault:ddp:spike"][0])
+    b = _samples(four["fault:fsdp:spike"][0])
+    early = [k for k in a if k[0] <= 20]
+    assert len(early) > 300 and set(early) <= set(b)
+    assert [b[k] for k in early] == pytest.approx([a[k] for k in early], rel=1e-4, abs=1e-7)
 
 
 def test_fsdp_measures_exactly_what_ddp_measures(ddp, sharded):
