@@ -12,7 +12,8 @@ and the world size from torch.distributed (``world.World``) and then:
   and every rank runs the same actions at the same step boundary;
 - the QK monitor work is spread over the ranks (``assignment``: heads round robin, control
   matrices and router weight statistics by layer), and of a sharded weight (FSDP2) a rank
-  fetches only the rows of its heads (``fetch``, ``snapshots``);
+  fetches only the rows of its heads (``fetch``, ``snapshots``); with tensor-parallel heads
+  (or FSDP2 shards on head boundaries) each rank measures its local heads;
 - rollback checkpoints are written with torch.distributed.checkpoint and count only once every
   rank's files and the metadata are committed (``checkpoints``);
 - rank 0 pages (the page names the ranks involved); every rank writes its own event log; the
