@@ -47,7 +47,7 @@ RULES = """groups:
         actions: [{rollback: {margin_steps: 0}}]
       - name: hung_run
         metric: seconds_since_step
-        detector: {type: threshold, above: 1.0}
+        detector: {type: threshold, above: 2.0}
         for: 0
         severity: critical
         family: symptom
@@ -223,7 +223,7 @@ def fault(rank: int, run: Path, scenario: str) -> dict[str, Any]:
                 elif kind == "nan":
                     reported = torch.tensor(math.nan)
                 elif kind == "stall":
-                    time.sleep(2.5)  # rank 1 stops stepping; rank 0 waits in the next step
+                    time.sleep(4.0)  # rank 1 stops stepping; rank 0 waits in the next step
             nxt = agent.step(step, loss=reported)
             if step == 20:
                 saved = _full(model)

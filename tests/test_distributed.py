@@ -95,7 +95,7 @@ def test_four_ranks_take_one_decision_and_split_the_qk_work_in_four(wrap, four):
     learning rates; rank 0 pages naming all four ranks' losses, rank 1's first; each rank
     measures one head of each layer (2 of the 8), all 8 measured once per evaluation. A
     hung_run alert of rank 0's watchdog is left out of the comparison: 4 processes on a
-    loaded 2-core machine can lag a second, and the watchdog is rank 0's alone."""
+    loaded 2-core machine can lag seconds, and the watchdog is rank 0's alone."""
     ranks = four[f"fault:{wrap}:spike"]
     for r in ranks:
         r["alerts"] = [a for a in r["alerts"] if a[1] != "hung_run"]
@@ -215,7 +215,7 @@ def test_a_monitor_that_raises_on_one_rank_leaves_its_heads_out_everywhere(ddp):
 
 
 def test_the_watchdog_names_a_rank_that_stops_stepping(ddp):
-    """Rank 1 sleeps 2.5 s before reporting step 23 while rank 0 waits in the next step:
+    """Rank 1 sleeps 4 s before reporting step 23 while rank 0 waits in the next step:
     rank 0's watchdog sees rank 1 behind and pages hung_run for rank 1 (not for itself), and
     resolves it when rank 1 is back; the watchdog never touches the shared decisions."""
     ranks = ddp["fault:ddp:stall"]
