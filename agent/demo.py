@@ -28,7 +28,13 @@ from agent.testbed.supervised import (
 )
 
 # name -> (steps, fault start); the presets' knobs are the documented test-bed faults.
-LENGTHS = {"fast": (1000, 500), "default": (1500, 500), "long": (3000, 500)}
+LENGTHS = {"fast": (1500, 500), "default": (2000, 500), "long": (3000, 500)}
+# The demo's FA fault: floor (biased) rounding of dS to 7 explicit mantissa bits, bf16's width,
+# so a fault a real bf16 attention backward could produce. On the tuning seeds (0, 1) the first
+# FA alert came ~500 steps after switch-on and 15-47 steps before the first loss detector, and
+# the unwatched loss diverged 500-900 steps after the alert (benchmarks/results/detection.md,
+# "where the silent phase is"). Stronger faults (fewer bits) are quicker and louder.
+DEMO_FA_BITS = 7
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     length.add_argument("--long", action="store_true", help="a longer run")
     p.add_argument("--steps", type=int, default=None, help="override the run length")
     p.add_argument("--fault-start", type=int, default=None, help="override the fault's step")
+    p.add_argument(
+        "--fa-bits",
+        type=int,
+        default=None,
+        help=f"mantissa bits of the FA fault (fa_precision: {DEMO_FA_BITS}, bf16's width)",
+    )
     p.add_argument("--no-remediation", action="store_true", help="detect and page only")
     p.add_argument(
         "--compare", action="store_true", help="also run without the agent and a clean run"
@@ -79,12 +91,16 @@ def run_demo(argv: list[str] | None = None) -> int:
     steps = args.steps or steps
     fault_start = args.fault_start if args.fault_start is not None else fault_start
     args.out.mkdir(parents=True, exist_ok=True)
+    bits = args.fa_bits or (DEMO_FA_BITS if args.scenario == "fa_precision" else None)
+    knobs = {"fa_bits": bits} if bits is not None else {}
     scenario = ScenarioConfig.preset(
-        args.scenario, seed=args.seed, steps=steps, fault_start=fault_start
+        args.scenario, seed=args.seed, steps=steps, fault_start=fault_start, **knobs
     )
     remediate = not args.no_remediation
     print(
-        f"mechwatch demo: {args.scenario} fault switched on at step {fault_start} of {steps}, "
+        f"mechwatch demo: {args.scenario} fault switched on at step {fault_start} of {steps}"
+        + (f" (dS floored to {bits} mantissa bits)" if bits is not None else "")
+        + ", "
         f"seed {args.seed}, {'with' if remediate else 'without'} remediation"
     )
     config = default_agent_config(

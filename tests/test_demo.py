@@ -24,4 +24,5 @@ def test_short_demo_runs_end_to_end(tmp_path, capsys):
     assert (out / "agent" / "events.jsonl").exists()
     printed = capsys.readouterr().out
     assert "== summary ==" in printed and "first alert at step" in printed
+    assert "(dS floored to 7 mantissa bits)" in printed  # the default fault: bf16's width
     assert f"report:    {out / 'report.html'}" in printed
