@@ -9,14 +9,19 @@ Which families fire decides the attribution:
     symptom evidence only (loss, NaN...)  -> unattributed
 
 Causal order: a mechanism's evidence that is explained by a change of the whole run is a
-*consequence*, kept as evidence but not a cause. It is one when its alert fired (not its onset:
-a rate detector's onset can reach back into a slow drift well before the collapse)
+*consequence*, kept as evidence but not a cause. It is one when its alert fired (its firing
+step, not its onset, except where said: a rate detector's onset can reach back into a slow
+drift well before the collapse)
 
 - at or after every update of a block collapsed at once (``control_update_entropy``: the
   differential diagnosis of DESIGN.md 1c: a biased attention backward moves only Q and K; a
   data shift, a schedule change or a phase transition moves every weight), or
-- at least ``consequence_lag`` steps (default 100) after the loss damage began (a loss spike,
-  rise or non-finite loss): damage needs time to feed back into a mechanism, and a collapse
+- when the other mechanism family is already a cause of the incident, with an onset at or
+  after the loss damage began (a loss spike, rise or non-finite loss): the attention fault
+  has damaged the run, and a router collapse that only then begins is its downstream effect
+  (the onset here, so that two mechanisms that began before the damage stay ``combined``), or
+- at least ``consequence_lag`` steps (default 100) after the loss damage began, whatever
+  else the incident holds: damage needs time to feed back into a mechanism, and a collapse
   that starts with the loss change is as likely its cause as its effect (a smaller batch
   makes the loss noisier and collapses the router at once).
 
@@ -99,15 +104,22 @@ def _systemic_onset(evidence: list[Evidence], metrics: frozenset[str]) -> int | 
     return min(steps, default=None)
 
 
-def _is_consequence(e: Evidence, evidence: list[Evidence], lag: int) -> bool:
-    """Mechanism evidence explained by a change of the whole run (see the module docstring)."""
+def _is_consequence(
+    e: Evidence, evidence: list[Evidence], lag: int, causes: set[str] = frozenset()
+) -> bool:
+    """Mechanism evidence explained by a change of the whole run or by the damage of the other
+    mechanism, already a cause of the incident (``causes``; see the module docstring)."""
     if e.family not in MECHANISM_FAMILIES:
         return False
     began = e.fired_step
     controls = _systemic_onset(evidence, CONTROL_METRICS)
     loss = _systemic_onset(evidence, LOSS_METRICS)
-    return (controls is not None and began >= controls) or (
-        loss is not None and began >= loss + lag
+    onset = e.onset_step if e.onset_step is not None else began
+    other_is_cause = bool(causes & (set(MECHANISM_FAMILIES) - {e.family}))
+    return (
+        (controls is not None and began >= controls)
+        or (loss is not None and began >= loss + lag)
+        or (loss is not None and other_is_cause and onset >= loss)
     )
 
 
@@ -206,7 +218,7 @@ class Attributor:
             if (old is not None and old.consequence) or (
                 old is None
                 and e.family not in causes
-                and _is_consequence(e, everything, self.consequence_lag)
+                and _is_consequence(e, everything, self.consequence_lag, causes)
             ):
                 e = dataclasses.replace(e, consequence=True)
             current[key] = e

@@ -131,6 +131,25 @@ def test_a_collapse_after_the_loss_damage_is_a_consequence_not_combined():
     assert att.update(1100, [fa, router]) == [] and att.open.family == "fa_precision"
 
 
+def test_the_other_mechanism_after_the_loss_damage_of_an_open_incident_is_a_consequence():
+    """An attention fault's incident is open and the loss damage began at 656; the router
+    collapse fires 94 steps later (inside ``consequence_lag``): still the fault's downstream
+    effect, not ``combined`` (the bigger model's FA fault, evaluation seed 101)."""
+    att = Attributor(RunContext(run_name="r"))
+    fa = _alert("qk", "fa_precision", onset=625, fired=650)
+    att.update(655, [fa])
+    att.update(670, [fa, _loss("loss_rise", onset=656)])
+    router = _alert("router", "router_instability", onset=750, layer="g0", fired=750)
+    att.update(750, [fa, _loss("loss_rise", onset=656), router])
+    assert att.open.family == "fa_precision"
+    assert {e.rule: e.consequence for e in att.open.evidence}["router"] is True
+    # Without an open mechanism cause the lag still applies (the small batch: below).
+    fresh = Attributor(RunContext(run_name="r"))
+    fresh.update(670, [_loss("loss_rise", onset=656)])
+    fresh.update(750, [_loss("loss_rise", onset=656), router])
+    assert fresh.open.family == "router_instability"
+
+
 def test_two_mechanisms_that_began_before_any_loss_damage_are_combined():
     att = Attributor(RunContext(run_name="r"))
     fa = _alert("qk", "fa_precision", onset=500, fired=550)
