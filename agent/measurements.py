@@ -106,9 +106,13 @@ class Measurements:
         if grad_norm is not None:
             self._grad.append((step, grad_norm))
         elif self.config.symptoms.grad_norm and step % self.config.symptoms.every == 0:
-            norm = self._guarded("grad norm", lambda: _grad_norm(self.model), None)
-            if norm is not None:
-                self._grad.append((step, norm))
+            self._measure_grad_norm(step)
+
+    def _measure_grad_norm(self, step: int) -> None:
+        """The loop passed no grad norm: the agent's own (a device tensor, no sync)."""
+        norm = self._guarded("grad norm", lambda: _grad_norm(self.model), None)
+        if norm is not None:
+            self._grad.append((step, norm))
 
     def collect(self, step: int) -> list[Sample]:
         """Every sample due at ``step`` (see the module docstring)."""

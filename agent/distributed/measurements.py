@@ -73,17 +73,13 @@ class DistributedMeasurements(Measurements):
         return ShardedQKSnapshots(sites, world=self.world, **kwargs)
 
     # -- the training thread -----------------------------------------------------------------
-    def record(self, step: int, loss: Scalar | None, grad_norm: Scalar | None) -> None:
-        if loss is not None:
-            self._loss.append((step, loss))
-        if grad_norm is not None:
-            self._grad.append((step, grad_norm))
-        elif self.config.symptoms.grad_norm and step % self.config.symptoms.every == 0:
-            share = self._guarded(
-                "grad norm", lambda: grad_square_share(self.model, self.world.size), None
-            )
-            if share is not None:
-                self._squares.append((step, share))
+    def _measure_grad_norm(self, step: int) -> None:
+        """This rank's share of the squared grad norm, summed over the ranks at the read-out."""
+        share = self._guarded(
+            "grad norm", lambda: grad_square_share(self.model, self.world.size), None
+        )
+        if share is not None:
+            self._squares.append((step, share))
 
     def collect(self, step: int) -> list[Sample]:
         lag = self.config.scheduling.apply_lag
