@@ -48,6 +48,7 @@ from agent import samples as m
 from agent.attribution import MECHANISM_FAMILIES, Attributor
 from agent.checkpoints import CheckpointStore
 from agent.config import AgentConfig
+from agent.costs import Costs
 from agent.decisions import Decisions, alert_fields, decide
 from agent.discovery import find_attention, find_routers
 from agent.distributed import World
@@ -134,7 +135,8 @@ class Agent:
         self.failures = FailureLog(
             self.events, lambda: -1 if self._last_step is None else self._last_step
         )
-        self._guarded, self._write = self.failures.guarded, self.failures.write
+        self._guarded = self.failures.guarded
+        self._costs = Costs()  # where the agent's own time goes (``costs()``)
         self.dispatcher = (
             build_dispatcher(
                 config.notify, self.run_dir, event_log=self.events, notifiers=notifiers
@@ -160,6 +162,7 @@ class Agent:
             self.router_sites,
             submit=self.thread.submit,
             report=self.failures.report,
+            costs=self._costs,
         )
 
         # Decisions and actions.
@@ -253,7 +256,7 @@ class Agent:
             return step  # type: ignore[return-value]  # nothing sensible to add 1 to
         values = {}
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
-            checked = check_scalar(name, value)
+            checked = self._costs.call("step inputs", lambda n=name, v=value: check_scalar(n, v))
             if checked.problem is not None:
                 self.failures.report("agent.step", checked.problem, outcome="the run goes on")
             values[name] = checked.value
@@ -278,7 +281,9 @@ class Agent:
         """Queue a checkpoint on checkpoint steps. Never in a round that rolled back: the
         model then holds the restored state, not the state after ``step``."""
         if step % self.config.checkpoints.every == 0:
-            self.checkpoints.maybe_save(step, health=self.health())
+            self._costs.call(
+                "checkpoints", lambda: self.checkpoints.maybe_save(step, health=self.health())
+            )
 
     # ------------------------------------------------------------------ decisions
     def _round(self, step: int, new: list[Sample], *, act: bool = True) -> None:
@@ -289,18 +294,27 @@ class Agent:
                 samples = [[s.step, s.metric, s.label_dict, s.value] for s in new]
                 self._write("metrics", step, samples=samples)
             for sink in self.metric_sinks:
-                self._guarded(
-                    f"metrics {type(sink).__name__}", lambda k=sink: write_round(k, new), None
+                self._costs.call(
+                    "metric sinks",
+                    lambda k=sink: self._guarded(
+                        f"metrics {type(k).__name__}", lambda: write_round(k, new), None
+                    ),
                 )
             agreed = self.measurements.now  # rank 0's clock at a distributed read-out
             now = agreed if act and agreed is not None else time.time()
-            decisions = decide(self.engine, self.attributor, self.pacing, step, new, now, act=act)
+            decisions = self._costs.call(
+                "rules",
+                lambda: decide(self.engine, self.attributor, self.pacing, step, new, now, act=act),
+            )
             self._record(step, decisions, ranks=self.measurements.notes)
             if not act:
                 return
             self._protect_checkpoints()
             for admission in decisions.admissions:
-                self._guarded("action", lambda a=admission: self._admit(step, a), None)
+                self._costs.call(
+                    "actions",
+                    lambda a=admission: self._guarded("action", lambda: self._admit(step, a), None),
+                )
             if self._resume_step is not None:
                 return  # rolled back: these samples no longer describe the run
             for result in self._guarded("action follow-up", lambda: self.actions.observe(new), []):
@@ -390,7 +404,9 @@ class Agent:
             **extra,
         )
         if self.dispatcher is not None:
-            self._guarded("page", lambda: self.dispatcher.submit(event), None)
+            self._costs.call(
+                "pages", lambda: self._guarded("page", lambda: self.dispatcher.submit(event), None)
+            )
 
     def _allowed(self, action: str) -> bool:
         cfg = self.config.actions
@@ -433,7 +449,16 @@ class Agent:
         sample = Sample.make(self._last_step, m.SECONDS_SINCE_STEP, idle)
         self._guarded("watchdog", lambda: self._round(self._last_step, [sample], act=False), None)
 
+    def _write(self, kind: str, step: int, **payload: Any) -> None:
+        """An event-log record (never raises; its time counts as the event log's)."""
+        self._costs.call("event log", lambda: self.failures.write(kind, step, **payload))
+
     # ------------------------------------------------------------------ user-facing state
+    def costs(self) -> dict[str, float]:
+        """Seconds of the agent's own work per part since it started (``agent.costs``):
+        wall seconds on the training thread, CPU seconds on the monitor thread."""
+        return self._costs.seconds()
+
     def latest_metrics(self) -> dict[str, float]:
         """The newest value of every series, ``metric{label=value,...}`` -> float."""
         return self.store.latest()
@@ -493,5 +518,6 @@ class Agent:
             "stop",
             self._last_step if self._last_step is not None else -1,
             evaluations=self._evaluations,
+            costs={part: round(seconds, 6) for part, seconds in self.costs().items()},
         )
         self._guarded("event log", self.events.close, None)

@@ -41,6 +41,14 @@ class QKMonitorConfig(_Strict):
         description="control matrices per attention layer (values, output projection, MLP: "
         "agent/discovery/controls.py), measured like Q/K for the differential diagnosis; 0: none",
     )
+    control_rows: int | None = Field(
+        512,
+        ge=1,
+        description="a control matrix with both dimensions above this is measured on its "
+        "first control_rows rows (output units): an SVD of O(max dim x control_rows^2) instead "
+        "of a full one, which at 4096 x 4096 and up costs more than every QK head of the layer "
+        "(benchmarks/results/scale.md); None: whole matrices",
+    )
     snapshot_device: str | None = Field(
         None, description="where snapshots live: None (next to the weights) or 'cpu'"
     )

@@ -10,7 +10,10 @@ Per step, on the training thread (cheap, no host-device sync):
 * ``collect(step)`` returns the samples due at ``step``:
   - every ``symptoms.every`` steps the buffered values, read in one transfer (``loss``,
     ``loss_nonfinite``, ``grad_norm``);
-  - every ``router.every`` steps the router hooks' device-side sums (``RouterProbe``);
+  - every ``router.every`` steps the router hooks' device-side sums (``RouterProbe``): the
+    hooks buffer each forward's logits; ``apply_lag`` steps before a read-out the buffers are
+    handed to ``submit`` and reduced there, so the read-out at t covers the forwards up to
+    t - ``apply_lag`` and the training thread pays only a product per forward;
   - every ``qk.delta`` steps fp32 snapshots of the sampled Q/K weights are taken and a job is
     handed to ``submit`` (the agent's monitor thread; inline in the test bed); a result
     measured at step t is returned at step t + ``scheduling.apply_lag`` (waiting for it if it
@@ -31,9 +34,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agent import samples as m
+from agent.costs import Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import find_controls
 from agent.probes import QKJob, QKSnapshots, RouterProbe, compute_qk_samples
+from agent.router_buffer import HandedBatch
 from agent.samples import Sample
 from agent.step_inputs import Scalar
 
@@ -67,14 +72,16 @@ class Measurements:
         *,
         submit: Submit = run_inline,
         report: Report | None = None,
+        costs: Costs | None = None,
     ) -> None:
         self.model = model
+        self.costs = costs if costs is not None else Costs()
         self.config = config
         self.attention_sites = attention_sites
         self.router_sites = router_sites
         self.submit = submit
         self.report = report or (lambda what, text: None)
-        self.router_probe = RouterProbe(router_sites, config.router.default_top_k)
+        self.router_probe = RouterProbe(router_sites, config.router.default_top_k, self.costs)
         self.router_probe.attach()
         qk = config.qk
         self.qk = self._qk_snapshots(
@@ -83,6 +90,7 @@ class Measurements:
             layers_per_eval=qk.layers_per_eval,
             heads_per_layer=qk.heads_per_layer,
             device=qk.snapshot_device,
+            control_rows=qk.control_rows,
             controls={
                 site.name: find_controls(model, site, router_sites, qk.controls)
                 for site in attention_sites
@@ -91,6 +99,9 @@ class Measurements:
         self._loss: list[tuple[int, Scalar]] = []
         self._grad: list[tuple[int, Scalar]] = []
         self._pending: list[tuple[int, Future]] = []  # (due step, future of samples)
+        # read-out step -> the routers' batches handed over apply_lag steps before, and the
+        # future of their reduced rows (computed on the monitor thread)
+        self._router_handed: dict[int, tuple[list[HandedBatch], Future]] = {}
         # Set by the distributed pipeline (agent.distributed.measurements); None in one process:
         self.now: float | None = None  # rank 0's clock at the latest read-out
         self.notes: Any = None  # the latest read-out's ranks involved (ReadOutNotes)
@@ -119,8 +130,10 @@ class Measurements:
         new: list[Sample] = []
         if step % self.config.symptoms.every == 0:
             new += self._guarded("symptoms", self._read_symptoms, [], clear=True)
+        self._hand_over_routers(step)
         if self.router_sites and step % self.config.router.every == 0:
-            new += self._guarded("router probe", lambda: self.router_probe.read(step), [])
+            rows = self._router_rows(step)
+            new += self._guarded("router probe", lambda: self.router_probe.read(step, rows), [])
             for err in self.router_probe.errors:
                 self.report("router probe", err)
             self.router_probe.errors.clear()
@@ -134,17 +147,20 @@ class Measurements:
         """The run continues from an earlier state: drop what was measured on the abandoned
         path (snapshots, results not yet applied, buffered values)."""
         self.qk.reset()
-        for _, future in self._pending:
+        self.router_probe.reset()
+        for future in [f for _, f in self._pending + list(self._router_handed.values())]:
             future.cancel()
         self._pending.clear()
+        self._router_handed.clear()
         self._loss.clear()
         self._grad.clear()
 
     def close(self) -> None:
         self.router_probe.detach()
-        for _, future in self._pending:
+        for future in [f for _, f in self._pending + list(self._router_handed.values())]:
             future.cancel()
         self._pending.clear()
+        self._router_handed.clear()
 
     # -- parts ---------------------------------------------------------------------------------
     def _read_symptoms(self) -> list[Sample]:
@@ -161,9 +177,43 @@ class Measurements:
                     out.append(Sample.make(s, m.LOSS_NONFINITE, 0.0 if math.isfinite(v) else 1.0))
         return out
 
+    def _hand_over_routers(self, step: int) -> None:
+        """``apply_lag`` steps before a router read-out, hand the routers' buffered forwards to
+        the monitor thread: the read-out at t then covers the forwards up to t - apply_lag,
+        reduced off the training thread. With ``apply_lag`` 0 (or not below ``router.every``)
+        the read-out reduces everything up to t itself."""
+        every = self.config.router.every
+        lag = self.config.scheduling.apply_lag
+        if not self.router_sites or not 0 < lag < every or (step + lag) % every:
+            return
+        batches = self._guarded("router probe", self.router_probe.hand_over, None)
+        if batches is None:
+            return
+        reduce = self.costs.on_monitor_thread(lambda: [batch.reduce() for batch in batches])
+        self._router_handed[step + lag] = (batches, self.submit(reduce))
+
+    def _router_rows(self, step: int) -> list[torch.Tensor | None] | None:
+        """The reduced rows handed over for read-out ``step`` (None: nothing was handed over;
+        the read-out reduces what is buffered); a reduction that failed gives no rows."""
+        for stale in [s for s in self._router_handed if s < step]:  # a read-out was skipped
+            self._router_handed.pop(stale)[1].cancel()
+        handed = self._router_handed.pop(step, None)
+        if handed is None:
+            return None
+        batches, future = handed
+        try:
+            rows = self.costs.call(
+                "monitor results", lambda: future.result(timeout=self.config.scheduling.max_wait_s)
+            )
+        except Exception as exc:
+            self.report("router probe", f"{type(exc).__name__}: {exc}")
+            return [None] * len(self.router_sites)
+        self.router_probe.recycle(batches)
+        return rows
+
     def _submit_job(self, job: QKJob) -> Future:
         orders = tuple(self.config.qk.orders)
-        return self.submit(lambda: compute_qk_samples(job, orders))
+        return self.submit(self.costs.on_monitor_thread(lambda: compute_qk_samples(job, orders)))
 
     def _collect_due(self, step: int) -> list[Sample]:
         out: list[Sample] = []
@@ -173,7 +223,10 @@ class Measurements:
                 keep.append((due, future))
                 continue
             try:
-                out += future.result(timeout=self.config.scheduling.max_wait_s)
+                out += self.costs.call(
+                    "monitor results",
+                    lambda f=future: f.result(timeout=self.config.scheduling.max_wait_s),
+                )
             except Exception as exc:
                 self.report("qk monitor", f"{type(exc).__name__}: {exc}")
         self._pending = keep
@@ -181,13 +234,17 @@ class Measurements:
 
     def _guarded(self, what: str, fn: Callable[[], Any], default: Any, *, clear: bool = False):
         try:
-            return fn()
+            return self.costs.call(_PART.get(what, what), fn)
         except Exception as exc:
             self.report(what, f"{type(exc).__name__}: {exc}")
             if clear:  # a value that cannot be read must not block every later read
                 self._loss.clear()
                 self._grad.clear()
             return default
+
+
+# The ``Costs`` part each guarded measurement adds its time to.
+_PART = {"symptoms": "read-outs", "router probe": "read-outs", "qk snapshot": "snapshots"}
 
 
 def _to_floats(values: list[Scalar]) -> list[float]:

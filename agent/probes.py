@@ -1,10 +1,11 @@
 """Probes: how the agent measures a live model without slowing it down.
 
 ``RouterProbe``: a forward pre-hook per router computes the routing logits from the router's
-own input (z = x W^T + b, ``agent.router_output``) and reduces them *on the device* to a few
-running sums (entropy, p10, margin, expert load); nothing is kept, nothing is copied to the
-host. ``read()`` turns the sums into samples with one host transfer for all routers, every
-``router_every`` steps, and names (once) every router that has produced no data.
+own input (z = x W^T + b) into a device buffer (``agent.router_buffer``) that is reduced *on
+the device*, a batch of forwards at a time, to a few running sums (entropy, p10, margin, expert
+load); nothing is copied to the host. ``read()`` turns the sums into samples with one host
+transfer for all routers, every ``router_every`` steps, and names (once) every router that has
+produced no data.
 
 ``QKSnapshots``: every ``delta`` steps, fp32 copies of the Q/K projection weights (and of the
 layer's control matrices, ``agent.discovery.controls``) of the layers sampled for the next
@@ -24,30 +25,33 @@ see the mean of the heads sampled in that evaluation.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from agent import samples as m
+from agent.costs import Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import control_label
 from agent.monitors import (
     qk_delta2_direction,
     qk_increment_spectrum,
-    qk_monitor_spectra,
+    qk_monitor_spectra_batched,
     router_conditioning_ratio,
     router_similarity,
-    routing_stats,
     spectrum_stats,
     update_spectrum,
 )
-from agent.router_output import router_input, router_logits
+from agent.monitors.router import ROUTING_SUM_FIELDS
+from agent.router_buffer import HandedBatch, RouterLogitBuffer
+from agent.router_output import router_input
 from agent.samples import Sample
 
-# Running sums kept per router, in this order: entropy mean, normalized entropy, p10, margin,
-# number of forwards counted.
-_ROUTER_SUMS = 5
+# Running sums kept per router (``ROUTING_SUM_FIELDS``): entropy mean, normalized entropy, p10,
+# margin, number of forwards counted.
+_ROUTER_SUMS = len(ROUTING_SUM_FIELDS)
 
 
 class RouterProbe:
@@ -61,11 +65,16 @@ class RouterProbe:
     forward. Only training-mode forwards count.
     """
 
-    def __init__(self, sites: list[RouterSite], default_top_k: int = 1) -> None:
+    def __init__(
+        self, sites: list[RouterSite], default_top_k: int = 1, costs: Costs | None = None
+    ) -> None:
         self.sites = sites
+        self.costs = costs if costs is not None else Costs()
         self.default_top_k = default_top_k
-        self._sums: list[torch.Tensor | None] = [None] * len(sites)  # (_ROUTER_SUMS,) each
-        self._load: list[torch.Tensor | None] = [None] * len(sites)  # (E,) summed load fractions
+        self._buffers = [
+            RouterLogitBuffer(site.num_experts, site.top_k or default_top_k) for site in sites
+        ]
+        self._seen = [False] * len(sites)  # the router produced data at least once
         self._called = [False] * len(sites)  # router module called in its owner's forward
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked = False  # the first read-out named the routers without data
@@ -112,33 +121,32 @@ class RouterProbe:
         return hook
 
     def _record(self, index: int, site: RouterSite, args: tuple, kwargs: dict) -> None:
-        """Add one forward's statistics of z = x W^T + b to the router's sums (on the device)."""
+        """Buffer one forward's z = x W^T + b (on the device; reduced in batches)."""
+        start = time.perf_counter()
         top_k = site.top_k or self.default_top_k
         try:
             x = router_input(args, kwargs, site.d_model)  # (..., d)
             if x is None or x.numel() == 0:
                 return
+            if not 1 <= top_k <= site.num_experts:
+                raise ValueError(f"top_k must be in [1, {site.num_experts}], got {top_k}")
             with torch.no_grad():
-                logits = router_logits(x, site.weight(), site.bias())  # (tokens, E)
-                ent, load = routing_stats(logits, top_k)
-                one = torch.ones((), dtype=ent.mean.dtype, device=ent.mean.device)
-                row = torch.stack([ent.mean, ent.normalized, ent.p10, load.margin, one])
-                if self._sums[index] is None:
-                    self._sums[index] = torch.zeros_like(row)
-                    self._load[index] = torch.zeros_like(load.load)
-                self._sums[index].add_(row)
-                self._load[index].add_(load.load)
+                self._buffers[index].add(
+                    x.detach().reshape(-1, x.shape[-1]), site.weight(), site.bias()
+                )
+                self._seen[index] = True
                 if index in self._capture:  # the weight is whole inside the forward
                     self._captured[index] = (self._capture.pop(index), self.weight_stats(index))
         except Exception as exc:  # never break the user's forward
             if len(self.errors) < 10:
                 self.errors.append(f"router probe {site.name}: {exc!r}")
+        self.costs.add("router hooks", time.perf_counter() - start)
 
     def _name_silent_routers(self) -> None:
         """Once, at the first read-out: warn about every router that produced no data."""
         self._checked = True
-        pairs = zip(self.sites, self._sums, strict=True)
-        silent = [site.name for site, sums in pairs if sums is None]
+        pairs = zip(self.sites, self._seen, strict=True)
+        silent = [site.name for site, seen in pairs if not seen]
         if not silent:
             return
         message = (
@@ -154,13 +162,18 @@ class RouterProbe:
         """Router ``index``'s sums since the last read-out, (5 + E,) on the device: the
         ``_ROUTER_SUMS`` running sums, then the summed load fractions (None: no data yet).
         Resets them."""
-        sums, load = self._sums[index], self._load[index]
-        if sums is None or load is None:
+        try:
+            return self._buffers[index].take()
+        except Exception as exc:  # a batch that cannot be reduced is dropped, never raised
+            self._buffers[index].reset()
+            if len(self.errors) < 10:
+                self.errors.append(f"router probe {self.sites[index].name}: {exc!r}")
             return None
-        row = torch.cat([sums, load.to(sums.dtype)])
-        sums.zero_()
-        load.zero_()
-        return row
+
+    def reset(self) -> None:
+        """Drop what the hooks buffered (the run continues from another state)."""
+        for buffer in self._buffers:
+            buffer.reset()
 
     def weight_stats(self, index: int) -> torch.Tensor:
         """(2,) on the device: the conditioning ratio and the expert similarity of router
@@ -184,20 +197,33 @@ class RouterProbe:
         if not self._checked:
             self._name_silent_routers()
 
-    def read(self, step: int) -> list[Sample]:
-        """Samples for the window since the last read (one host transfer), then reset."""
+    def hand_over(self) -> list[HandedBatch]:
+        """Every router's forwards since its last take or hand-over, to reduce on the monitor
+        thread (``HandedBatch.reduce``); the hooks go on in each router's spare buffer."""
+        return [buffer.hand_over() for buffer in self._buffers]
+
+    def recycle(self, batches: list[HandedBatch]) -> None:
+        """The handed batches were reduced: their buffers may take forwards again."""
+        for buffer, batch in zip(self._buffers, batches, strict=True):
+            buffer.recycle(batch)
+
+    def read(self, step: int, rows: list[torch.Tensor | None] | None = None) -> list[Sample]:
+        """Samples of read-out ``step`` (one host transfer): from ``rows`` (per router, the
+        reduced sums of a hand-over, ``HandedBatch.reduce``) or, when None, from everything
+        buffered since the last read (``take``)."""
         self.check_silent()
-        rows, names = [], []
-        for i, site in enumerate(self.sites):
-            row = self.take(i)
+        if rows is None:
+            rows = [self.take(i) for i in range(len(self.sites))]
+        host_rows, names = [], []
+        for i, (site, row) in enumerate(zip(self.sites, rows, strict=True)):
             if row is None:
                 continue
             stats = self.weight_stats(i)
-            rows.append(torch.cat([row.to(stats.dtype), stats]))
+            host_rows.append(torch.cat([row.to(stats.device, stats.dtype), stats]))
             names.append(site)
-        if not rows:
+        if not host_rows:
             return []
-        host = [r.cpu().tolist() for r in rows]  # the one synchronization of this read
+        host = [r.cpu().tolist() for r in host_rows]  # the one synchronization of this read
         out: list[Sample] = []
         for site, values in zip(names, host, strict=True):
             out += router_samples(step, site, values[:-2], (step, values[-2], values[-1]))
@@ -252,20 +278,32 @@ class QKJob:
     # by compute_qk_samples (jobs of one layer run in order on the one monitor thread)
     directions: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
     ready: torch.cuda.Event | None = field(default=None, repr=False)  # copies done (CUDA)
+    control_rows: int | None = None  # controls larger than this are measured on these rows
+
+
+def control_slice(w: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """The part of a control matrix [out, in] the agent measures: its first ``rows`` rows
+    when both dimensions exceed ``rows`` (``qk.control_rows``), else all of it (a view)."""
+    if rows is None or min(w.shape[-2:]) <= rows:
+        return w
+    return w[..., :rows, :]
 
 
 def _snapshot(
-    site: AttentionSite, device: str | None, controls: dict[str, torch.nn.Parameter]
+    site: AttentionSite,
+    device: str | None,
+    controls: dict[str, torch.nn.Parameter],
+    control_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """fp32 copies of the layer's Q/K and control parameters (the only work on the training
-    thread)."""
+    """fp32 copies of the layer's Q/K parameters and of the measured part of its control
+    matrices (``control_slice``): the only work on the training thread."""
     out = {}
-    for name, p in {**site.parameters_to_snapshot(), **controls}.items():
+    live = {**site.parameters_to_snapshot()}
+    live.update({name: control_slice(p.detach(), control_rows) for name, p in controls.items()})
+    for name, p in live.items():
         target = p.device if device is None else torch.device(device)
         non_blocking = p.is_cuda and target.type == "cpu"
-        out[name] = (
-            p.detach().to(dtype=torch.float32).to(target, non_blocking=non_blocking, copy=True)
-        )
+        out[name] = p.detach().to(target, dtype=torch.float32, non_blocking=non_blocking, copy=True)
     return out
 
 
@@ -281,11 +319,13 @@ class QKSnapshots:
         heads_per_layer: int | None = None,
         device: str | None = None,
         controls: dict[str, dict[str, torch.nn.Parameter]] | None = None,
+        control_rows: int | None = None,
     ) -> None:
         if delta < 1:
             raise ValueError(f"delta must be >= 1 step, got {delta}")
         self.sites = sites
         self.controls = controls or {}  # site name -> {parameter name: parameter}
+        self.control_rows = control_rows  # see ``control_slice``
         self.directions: dict[tuple[str, int], torch.Tensor] = {}
         self.delta = delta
         self.layers_per_eval = min(layers_per_eval or len(sites), len(sites))
@@ -309,7 +349,7 @@ class QKSnapshots:
         self.directions.clear()
 
     def _snapshot(self, site: AttentionSite) -> dict[str, torch.Tensor]:
-        return _snapshot(site, self.device, self.controls.get(site.name, {}))
+        return _snapshot(site, self.device, self.controls.get(site.name, {}), self.control_rows)
 
     def _plan(self) -> list[AttentionSite]:
         n = len(self.sites)
@@ -374,7 +414,32 @@ class QKSnapshots:
     ) -> QKJob | None:
         """The job measuring ``site``'s increment from ``previous`` to ``current``."""
         labels = {name: control_label(site, name) for name in self.controls.get(site.name, {})}
-        return QKJob(step, site, previous, current, heads, labels, self.directions)
+        return QKJob(
+            step,
+            site,
+            previous,
+            current,
+            heads,
+            labels,
+            self.directions,
+            control_rows=self.control_rows,
+        )
+
+
+# Heads per call of the batched QK spectra on a GPU: every call sees the same batch size
+# (cuSOLVER sets itself up again when it changes; the last chunk is padded).
+GPU_CHUNK_SIZE = 32
+
+
+def qk_chunk_size(factors: torch.Tensor) -> int:
+    """Heads per batched call for factors (n, d, d_h): ``GPU_CHUNK_SIZE`` on a GPU; on a CPU
+    all n at once for small d (fewer, larger calls) and one at a time from d = 2048 on, where
+    a batch of tall matrices runs out of cache (benchmarks/results/batched_speed.md: 12-17%
+    slower batched at d = 4096, equal at d = 1024)."""
+    if factors.device.type != "cpu":
+        return GPU_CHUNK_SIZE
+    n, d = factors.shape[0], factors.shape[-2]
+    return 1 if d >= 2048 else max(1, n)
 
 
 @torch.no_grad()
@@ -388,14 +453,18 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
     d, dh = site.d_model, site.head_dim
     wq0, wk0 = site.factors(job.previous, heads)  # (n, d, d_h) each; wk paired with each head
     wq1, wk1 = site.factors(job.current, heads)
-    if d >= 2 * dh:  # one QR pair gives everything
-        spectra = qk_monitor_spectra(wq0, wk0, wq1, wk1)
+    if d >= 2 * dh:  # one QR pair gives everything, Delta_2's top direction included
+        spectra = qk_monitor_spectra_batched(
+            wq0, wk0, wq1, wk1, chunk_size=qk_chunk_size(wq0), directions=True
+        )
         deltas = {1: spectra.delta1, 2: spectra.delta2, 3: spectra.delta3}
         dwq, dwk, wq_norm = spectra.dwq, spectra.dwk, spectra.wq_norm
+        directions = spectra.direction
     else:  # tiny heads relative to the width: the separate monitors
         deltas = {o: qk_increment_spectrum(wq0, wk0, wq1, wk1, order=o) for o in (1, 2, 3)}
         dwq, dwk = update_spectrum(wq0, wq1), update_spectrum(wk0, wk1)
         wq_norm = torch.linalg.matrix_norm(wq1, ord=2)
+        directions = qk_delta2_direction(wq0, wk0, wq1, wk1)
     names = {1: m.QK_DELTA1_ENTROPY, 2: m.QK_DELTA2_ENTROPY, 3: m.QK_DELTA3_ENTROPY}
     per_head: dict[str, list[float]] = {}
     for order in orders:
@@ -406,7 +475,7 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
             per_head[m.QK_DELTA2_FROBENIUS] = stats.frobenius.tolist()
     per_head[m.DWQ_ENTROPY] = spectrum_stats(dwq, shape=(d, dh)).entropy.tolist()
     per_head[m.WQ_SPECTRAL_NORM] = wq_norm.tolist()
-    per_head[m.QK_DELTA2_PERSISTENCE] = _persistence(job, wq0, wk0, wq1, wk1)
+    per_head[m.QK_DELTA2_PERSISTENCE] = _persistence(job, directions)
     out: list[Sample] = []
     for metric, values in per_head.items():
         for h, value in zip(heads, values, strict=True):
@@ -427,12 +496,9 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
     return out + _control_samples(job)
 
 
-def _persistence(
-    job: QKJob, wq0: torch.Tensor, wk0: torch.Tensor, wq1: torch.Tensor, wk1: torch.Tensor
-) -> list[float]:
-    """|cos| between each head's Delta_2 top direction now and at its previous evaluation
-    (NaN at a head's first evaluation)."""
-    now = qk_delta2_direction(wq0, wk0, wq1, wk1)  # (n, d) unit (or zero) vectors
+def _persistence(job: QKJob, now: torch.Tensor) -> list[float]:
+    """|cos| between each head's Delta_2 top direction ``now`` (n, d; unit or zero vectors)
+    and the one at its previous evaluation (NaN at a head's first evaluation)."""
     out = []
     for i, h in enumerate(job.heads):
         key = (job.site.name, h)
@@ -446,7 +512,8 @@ def _control_samples(job: QKJob) -> list[Sample]:
     """Update entropy and relative size of each control matrix over the job's delta steps."""
     out = []
     for name, label in job.controls.items():
-        w0, w1 = job.previous[name].float(), job.current[name].float()  # (m, n)
+        w0 = control_slice(job.previous[name], job.control_rows).float()  # (m, n)
+        w1 = control_slice(job.current[name], job.control_rows).float()
         stats = spectrum_stats(update_spectrum(w0, w1), shape=tuple(w0.shape))
         size = torch.linalg.matrix_norm(w1 - w0) / torch.linalg.matrix_norm(w0).clamp_min(1e-30)
         labels = {"layer": job.site.name, "param": label}

@@ -1,13 +1,19 @@
-"""What the agent costs: test-bed steps per second with and without it, and one monitor
-evaluation of a frontier-shaped layer stack.
+"""What the agent costs: whole test-bed runs with and without it, where its time goes, and one
+monitor evaluation of a frontier-shaped layer stack.
 
-Run: python benchmarks/overhead.py [--blocks 12] [--block-steps 50] [--out FILE]
+Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
 
-1. Test bed: two identical runs (same seed), one with the agent (all default monitors and
-   rules, detect-only, no checkpoints), stepped alternately in blocks of --block-steps steps in
-   one process; the median time per block gives the slowdown. One intra-op thread for training
-   (the monitor thread has the other core).
-2. Frontier shape: one attention layer with d = 4096, 32 query heads of d_h = 128 and 8 KV heads
+1. Whole runs (what a user sees): the test bed's clean run (seed 0, one torch thread) as
+   separate processes, with and without a default ``Agent(model, optimizer, scheduler)``
+   (every default monitor and rule, actions on, no checkpoints: the defaults), alternated
+   (bare, agent, agent given the grad norm; the order rotates from pair to pair so that a
+   drift of the machine hits every variant alike). A run's wall time is from building the
+   model to ``agent.close()`` returning: construction, every step, the monitor thread, close.
+   Importing mechwatch is a one-time cost that does not grow with the run; it is printed
+   apart. Every run is listed; the overhead is the ratio of the medians, with the range of
+   the pairwise ratios.
+2. Where the time goes: ``Agent.costs()`` of the agent runs (``agent/costs.py``), per step.
+3. Frontier shape: one attention layer with d = 4096, 32 query heads of d_h = 128 and 8 KV heads
    (GQA), measured through the agent's own probe code (snapshot + compute_qk_samples) for all
    heads and for the sampled subset, extrapolated to 32 layers with the default and a sampled
    configuration; a 64-expert router's per-forward hook work on 8192 tokens; snapshot memory.
@@ -16,59 +22,144 @@ Run: python benchmarks/overhead.py [--blocks 12] [--block-steps 50] [--out FILE]
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from provenance import provenance
+from timing import QKLayer
 from torch import nn
 
-from agent.agent import Agent
-from agent.discovery import find_attention
-from agent.monitors import routing_stats
-from agent.probes import QKSnapshots, compute_qk_samples
-from agent.testbed.runner import TestbedRun
-from agent.testbed.scenarios import ScenarioConfig
-from agent.testbed.supervised import default_agent_config
+VARIANTS = ("bare", "agent", "agent, grad norm given")
 
 
-def testbed_overhead(blocks: int, block_steps: int, run_dir: Path) -> tuple[float, float]:
+def child(variant: str, steps: int) -> dict:
+    """One whole run in this process; returns its wall time and the agent's costs."""
     torch.set_num_threads(1)
-    scenario = ScenarioConfig.preset("clean", seed=0, steps=blocks * block_steps + 1)
-    bare = TestbedRun(scenario, record_monitors=False)
-    watched = TestbedRun(scenario, record_monitors=False)
-    config = default_agent_config(run_dir, remediate=False, checkpoints={"enabled": False})
-    agent = Agent(watched.model, watched.optimizer, watched.scheduler, config)
-    t_bare, t_agent = [], []
-    step = 0
-    for _ in range(blocks):
+    t0 = time.perf_counter()
+    from agent.agent import Agent  # noqa: PLC0415 - timed: the one-time import cost
+    from agent.config import AgentConfig  # noqa: PLC0415
+    from agent.testbed.runner import TestbedRun  # noqa: PLC0415
+    from agent.testbed.scenarios import ScenarioConfig  # noqa: PLC0415
+
+    imported = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
-        for _ in range(block_steps):
-            bare.step()
-        t_bare.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for i in range(block_steps):
-            loss = watched.step()
-            agent.step(step + i, loss=loss, grad_norm=watched.last_grad_norm)
-        t_agent.append(time.perf_counter() - t0)
-        step += block_steps
-    agent.close()
-    return statistics.median(t_bare) / block_steps, statistics.median(t_agent) / block_steps
+        run = TestbedRun(ScenarioConfig.preset("clean", seed=0, steps=steps + 1))
+        agent = None
+        if variant != "bare":
+            agent = Agent(run.model, run.optimizer, run.scheduler, AgentConfig(run_dir=run_dir))
+        give_norm = variant == "agent, grad norm given"
+        for step in range(steps):
+            loss = run.step()
+            if agent is not None:
+                agent.step(step, loss=loss, grad_norm=run.last_grad_norm if give_norm else None)
+        costs = {}
+        if agent is not None:
+            agent.close()
+            costs = agent.costs()
+        wall = time.perf_counter() - t0
+    return {"variant": variant, "wall_s": wall, "import_s": imported, "costs": costs}
 
 
-class _Layer(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, dh: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, dh
-        self.q_proj = nn.Linear(d, heads * dh, bias=False)
-        self.k_proj = nn.Linear(d, kv_heads * dh, bias=False)
+def whole_runs(pairs: int, steps: int) -> list[dict]:
+    """``pairs`` rounds of every variant, each a fresh process, the order rotating."""
+    results = []
+    for i in range(pairs):
+        order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
+        for variant in order:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", variant, "--steps", str(steps)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            result["pair"] = i
+            results.append(result)
+            print(f"pair {i} {variant:24s} {result['wall_s']:7.2f} s", flush=True)
+    return results
+
+
+def whole_run_table(results: list[dict], steps: int) -> list[str]:
+    by = {v: [r for r in results if r["variant"] == v] for v in VARIANTS}
+    bare = statistics.median(r["wall_s"] for r in by["bare"])
+    lines = [
+        f"Whole runs: test bed clean run, seed 0, {steps} steps, one torch thread, each run a "
+        "fresh process, variants alternated (order rotating). Wall time from building the "
+        "model to `agent.close()` returning.",
+        "",
+        "| variant | runs (s, in order) | median s | ms / step | overhead (ratio of medians) "
+        "| pairwise ratios (min..max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant, runs in by.items():
+        walls = [r["wall_s"] for r in runs]
+        med = statistics.median(walls)
+        pairwise = [
+            r["wall_s"] / b["wall_s"] - 1
+            for r in runs
+            for b in by["bare"]
+            if b["pair"] == r["pair"]
+        ]
+        over = "" if variant == "bare" else f"{med / bare - 1:+.2%}"
+        span = "" if variant == "bare" else f"{min(pairwise):+.1%}..{max(pairwise):+.1%}"
+        lines.append(
+            f"| {variant} | {', '.join(f'{w:.2f}' for w in walls)} | {med:.2f} | "
+            f"{1e3 * med / steps:.2f} | {over} | {span} |"
+        )
+    agent_imports = statistics.median(r["import_s"] for r in results if r["variant"] != "bare")
+    bare_imports = statistics.median(r["import_s"] for r in by["bare"])
+    lines += [
+        "",
+        f"Imports (once per process, outside the timed runs): {agent_imports:.2f} s with the "
+        f"agent, {bare_imports:.2f} s for the bare run (the test bed alone).",
+        "",
+    ]
+    return lines
+
+
+def breakdown_table(results: list[dict], steps: int) -> list[str]:
+    bare = statistics.median(r["wall_s"] for r in results if r["variant"] == "bare") / steps
+    lines = [
+        "Where the agent's time goes (`Agent.costs()`, mean over the agent runs; training-thread "
+        "wall time unless marked; % of the bare run's step):",
+        "",
+        "| part | " + " | ".join(v for v in VARIANTS if v != "bare") + " |",
+        "|---|" + "---|" * (len(VARIANTS) - 1),
+    ]
+    runs = {v: [r for r in results if r["variant"] == v] for v in VARIANTS if v != "bare"}
+    parts = list(next(iter(runs.values()))[0]["costs"])
+    totals = dict.fromkeys(runs, 0.0)
+    for part in parts:
+        cells = []
+        for variant, rs in runs.items():
+            per_step = statistics.mean(r["costs"][part] for r in rs) / steps
+            if part != "monitor thread":
+                totals[variant] += per_step
+            cells.append(f"{1e3 * per_step:.3f} ms ({per_step / bare:.2%})")
+        label = "monitor thread (CPU s, other thread)" if part == "monitor thread" else part
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| **training thread, total** | "
+        + " | ".join(f"**{1e3 * t:.3f} ms ({t / bare:.2%})**" for t in totals.values())
+        + " |"
+    )
+    return lines + [""]
 
 
 def frontier_layer(d: int, heads: int, kv_heads: int, dh: int, sampled_heads: int) -> dict:
+    from agent.discovery import find_attention  # noqa: PLC0415 - the children time the import
+    from agent.probes import QKSnapshots, compute_qk_samples  # noqa: PLC0415
+
     torch.manual_seed(0)
     model = nn.Module()
-    model.attn = _Layer(d, heads, kv_heads, dh)
+    model.attn = QKLayer(d, heads, kv_heads, dh)
     site = find_attention(model)[0]
     snapshot_bytes = sum(p.numel() * 4 for p in site.parameters_to_snapshot().values())
     out = {"snapshot_mb_per_layer": snapshot_bytes / 2**20}
@@ -87,41 +178,54 @@ def frontier_layer(d: int, heads: int, kv_heads: int, dh: int, sampled_heads: in
     return out
 
 
-def router_hook_cost(tokens: int, experts: int, top_k: int) -> float:
-    logits = torch.randn(tokens, experts)
-    routing_stats(logits, top_k)
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        routing_stats(logits, top_k)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def router_hook_cost(tokens: int, experts: int, top_k: int, d: int = 4096) -> float:
+    """Seconds per forward of the router hook's work (``RouterLogitBuffer``: the product into
+    the buffer, and its share of the batched reduction), fp32 on the CPU."""
+    from agent.router_buffer import RouterLogitBuffer  # noqa: PLC0415
+
+    x, w = torch.randn(tokens, d), torch.randn(experts, d) / d**0.5
+    buffer = RouterLogitBuffer(experts, top_k)
+    buffer.add(x, w, None)
+    buffer.take()
+    forwards = 16
+    t0 = time.perf_counter()
+    for _ in range(forwards):
+        buffer.add(x, w, None)
+    buffer.take()
+    return (time.perf_counter() - t0) / forwards
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", type=int, default=12)
-    p.add_argument("--block-steps", type=int, default=50)
-    p.add_argument("--run-dir", type=Path, default=Path("out/overhead"))
+    p.add_argument("--pairs", type=int, default=6, help="rounds of every variant")
+    p.add_argument("--steps", type=int, default=400, help="steps per run")
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--skip-frontier", action="store_true", help="only the whole runs")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # training: one thread; the monitor thread has the other core
+    if args.child:
+        print(json.dumps(child(args.child, args.steps)))
+        return 0
     lines = provenance()
-    bare, watched = testbed_overhead(args.blocks, args.block_steps, args.run_dir)
-    lines += [
-        "| test bed (2 layers, d 64, 8 experts) | ms / step |",
-        "|---|---|",
-        f"| without the agent | {1e3 * bare:.2f} |",
-        f"| with the agent (default cadences) | {1e3 * watched:.2f} |",
-        f"| slowdown | {watched / bare - 1:+.1%} |",
-        "",
-    ]
+    results = whole_runs(args.pairs, args.steps)
+    lines += whole_run_table(results, args.steps) + breakdown_table(results, args.steps)
     print("\n".join(lines), flush=True)
+    if not args.skip_frontier:
+        lines += frontier_lines()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def frontier_lines() -> list[str]:
     torch.set_num_threads(1)  # one core, as the monitor thread has beside a training loop
     layer = frontier_layer(4096, 32, 8, 128, sampled_heads=8)
     per_layer_all, per_layer_8 = layer["all heads"], layer["8 heads"]
     mb = layer["snapshot_mb_per_layer"]
-    lines += [
+    return [
         "| frontier shape: d 4096, 32 heads x 128, 8 KV heads (GQA), 32 layers; CPU, 1 thread "
         "| value |",
         "|---|---|",
@@ -133,15 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         f"| snapshot memory per layer (fp32 W_q + W_k) | {mb:.0f} MiB |",
         f"| snapshot memory, all 32 layers (previous + current) | {2 * 32 * mb / 1024:.1f} GiB |",
         f"| snapshot memory, layers_per_eval: 4 | {2 * 4 * mb:.0f} MiB |",
-        f"| 64-expert router hook on 8192 tokens (per forward, CPU) | "
+        f"| 64-expert router hook on 8192 tokens, d 4096 (per forward, CPU, incl. z = x W^T) | "
         f"{1e3 * router_hook_cost(8192, 64, 2):.2f} ms |",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -234,6 +234,8 @@ def fault(rank: int, run: Path, scenario: str) -> dict[str, Any]:
             step = nxt
     finally:
         dm.compute_qk_samples = real
+    if kind == "stall":  # the watchdog (every 0.2 s) must get a look after rank 1 is back
+        time.sleep(0.8)
     agent.checkpoints.flush()
     agent.close()
     time.sleep(0.5)  # the page sender thread

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -251,4 +252,4 @@ def _assert_router(model: nn.Module, name: str, forward, x: torch.Tensor) -> Non
     probe.detach()
     (entropy,) = [s.value for s in probe.read(1) if s.metric == m.ROUTER_ENTROPY]
     logits = x.reshape(-1, D) @ router.weight().T + (0 if router.bias() is None else router.bias())
-    assert entropy == float(routing_entropy(logits).mean)
+    assert entropy == pytest.approx(float(routing_entropy(logits).mean), rel=1e-13)

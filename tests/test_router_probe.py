@@ -139,7 +139,7 @@ def test_owner_does_not_count_a_forward_twice() -> None:
     probe.attach()
     model(torch.randn(1, T, D))
     model(torch.randn(1, T, D))
-    sums = probe._sums[0]
+    sums = probe.take(0)
     assert sums is not None and float(sums[4]) == 2.0  # two forwards counted, not four
 
 

@@ -83,6 +83,7 @@ class DistributedMeasurements(Measurements):
 
     def collect(self, step: int) -> list[Sample]:
         lag = self.config.scheduling.apply_lag
+        self._hand_over_routers(step)
         for job in self._guarded("qk snapshot", lambda: self.qk.on_step(step), []):
             self._pending.append((step + lag, self._submit_job(job)))
         if self.qk.evaluated == step:  # set by every rank's plan, even where a snapshot failed
@@ -181,9 +182,10 @@ class DistributedMeasurements(Measurements):
         self.router_probe.check_silent()
         out: list[tuple[int, Scalar]] = []
         at = layout.routers_at
+        rows = self._router_rows(layout.step)  # reduced on the monitor thread, or None
         for j, _ in enumerate(self.router_sites):
             width = layout.router_width(j)
-            row = self.router_probe.take(j)  # (5 + E,) on the device
+            row = self.router_probe.take(j) if rows is None else rows[j]  # (5 + E,), device
             if row is not None:
                 out.append((at, row))
             stats = self._weight_stats(j, layout.step)
@@ -207,7 +209,8 @@ class DistributedMeasurements(Measurements):
 
     def _submit_job(self, job: QKJob) -> Any:
         orders = tuple(self.config.qk.orders)
-        return self.submit(lambda: compute_qk_samples(expand_job(job), orders))
+        job_fn = self.costs.on_monitor_thread(lambda: compute_qk_samples(expand_job(job), orders))
+        return self.submit(job_fn)
 
     def _qk_results(self, step: int) -> tuple[list[Sample], str | None]:
         """This rank's QK samples due at ``step`` and the first error (reported here)."""

@@ -72,7 +72,16 @@ class ShardedQKSnapshots(QKSnapshots):
             return None
         controls = self.controls.get(site.name, {}) if owns_controls else {}
         labels = {name: control_label(site, name) for name in controls}
-        return QKJob(step, site, previous, current, mine, labels, self.directions)
+        return QKJob(
+            step,
+            site,
+            previous,
+            current,
+            mine,
+            labels,
+            self.directions,
+            control_rows=self.control_rows,
+        )
 
 
 def _owners(site: AttentionSite, world: World) -> list[int] | None:

@@ -11,6 +11,7 @@ import torch
 
 from agent.checkpoints import CheckpointManager, CheckpointStore
 from agent.config import AgentConfig, MetricsConfig
+from agent.costs import Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.distributed.world import World
 from agent.measurements import Measurements, Report, Submit
@@ -29,16 +30,24 @@ def build_measurements(
     *,
     submit: Submit,
     report: Report,
+    costs: Costs,
 ) -> Measurements:
     """One process: ``Measurements``; several ranks: ``DistributedMeasurements``."""
     if not world.collective:
         return Measurements(
-            model, config, attention_sites, router_sites, submit=submit, report=report
+            model, config, attention_sites, router_sites, submit=submit, report=report, costs=costs
         )
     from agent.distributed.measurements import DistributedMeasurements
 
     return DistributedMeasurements(
-        model, config, attention_sites, router_sites, world=world, submit=submit, report=report
+        model,
+        config,
+        attention_sites,
+        router_sites,
+        world=world,
+        submit=submit,
+        report=report,
+        costs=costs,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agent.monitors.batched import BatchedQKSpectra, qk_monitor_spectra_batched
 from agent.monitors.router import (
     RoutingEntropy,
     RoutingLoad,
@@ -22,6 +23,7 @@ from agent.monitors.spectrum import (
 )
 
 __all__ = [
+    "BatchedQKSpectra",
     "RoutingEntropy",
     "QKSpectra",
     "RoutingLoad",
@@ -29,6 +31,7 @@ __all__ = [
     "qk_delta2_direction",
     "qk_increment_spectrum",
     "qk_monitor_spectra",
+    "qk_monitor_spectra_batched",
     "router_conditioning_ratio",
     "router_similarity",
     "routing_entropy",

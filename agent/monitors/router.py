@@ -82,22 +82,6 @@ def router_similarity(w_router: torch.Tensor) -> torch.Tensor:
     return (total.square().sum(dim=-1) - n_unit) / (e * (e - 1))
 
 
-def _linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """Quantile of a 1-D tensor with linear interpolation (numpy's default) via kthvalue.
-
-    O(N), no sort, no host synchronization, no size limit.
-    """
-    n = x.shape[0]
-    pos = q * (n - 1)
-    lo = math.floor(pos)
-    frac = pos - lo
-    v_lo = torch.kthvalue(x, lo + 1).values
-    if frac == 0.0:
-        return v_lo
-    v_hi = torch.kthvalue(x, min(lo + 2, n)).values
-    return v_lo + frac * (v_hi - v_lo)
-
-
 def _entropy_from(logp: torch.Tensor, p: torch.Tensor) -> RoutingEntropy:
     h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(dim=-1)  # (N,) nats
     mean = h.mean()
@@ -149,3 +133,93 @@ def routing_stats(logits: torch.Tensor, top_k: int) -> tuple[RoutingEntropy, Rou
     logp = torch.log_softmax(_flatten_logits(logits), dim=-1)  # (N, E)
     p = logp.exp()
     return _entropy_from(logp, p), _load_from(p, top_k)
+
+
+# What ``routing_sums`` adds up per router, in this order (``RouterProbe`` keeps these sums).
+ROUTING_SUM_FIELDS = ("entropy", "entropy_normalized", "entropy_p10", "margin", "forwards")
+
+
+@torch.no_grad()
+def routing_sums(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing statistics of F forwards at once, summed over the forwards.
+
+    ``logits`` (F, E, N): F forwards of N tokens each, *experts first* (z^T: the layout a
+    router hook writes with one product W x^T; every reduction over the few experts then runs
+    across the tokens, which a CPU vectorizes). Returns ``row`` (5,) in the order of
+    ``ROUTING_SUM_FIELDS`` -- the sums over forwards of each forward's mean full-softmax
+    entropy (nats), its normalized entropy (/ ln E), its 10th-percentile token entropy (linear
+    interpolation), its mean top-1 minus top-2 probability, and F -- and ``load`` (E,), the sum
+    over forwards of each forward's top-k load fractions.
+
+    Per forward these are ``routing_stats``'s values (``entropy.mean``, ``entropy.normalized``,
+    ``entropy.p10``, ``load.margin``, ``load.load``) with one difference in ties: where experts
+    tie at a token's k-th largest probability, ``routing_stats`` (``torch.topk``) counts some of
+    them and this function shares the remaining assignments equally among them (each token
+    still assigns exactly k). Without ties the values are equal. No ``topk``, no softmax call
+    (both are slow over a last dimension of a few experts on a CPU), fp32 at least, on the
+    device, no host synchronization.
+    """
+    if logits.ndim != 3 or logits.shape[1] < 2 or logits.shape[2] == 0:
+        raise ValueError(
+            f"logits must have shape (F, E, N) with E >= 2, N >= 1, got {tuple(logits.shape)}"
+        )
+    f, e, n = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    z = logits.detach().to(_work_dtype(logits))  # (F, E, N)
+    top1 = z.amax(dim=1, keepdim=True)  # (F, 1, N)
+    zc = z - top1  # (F, E, N), <= 0; -inf for a masked expert
+    p = zc.exp()
+    total = p.sum(dim=1, keepdim=True)  # (F, 1, N), in [1, E]
+    p.div_(total)
+    # H = -sum p log p = log(total) - sum p zc; a masked expert has p = 0 and contributes 0.
+    zc.clamp_min_(torch.finfo(zc.dtype).min)
+    h = total.squeeze(1).log() - (p * zc).sum(dim=1)  # (F, N) nats
+    mean = h.mean(dim=-1)  # (F,)
+    kth, second = _kth_largest(p, top_k)  # (F, 1, N) each
+    margin = (1.0 / total.squeeze(1) - second.squeeze(1)).mean(dim=-1)  # p_top1 = 1 / total
+    above, tied = p > kth, p == kth  # (F, E, N)
+    share = (top_k - above.sum(dim=1, keepdim=True)).to(p.dtype) / tied.sum(dim=1, keepdim=True)
+    assigned = above.sum(dim=(0, 2)) + (tied * share).sum(dim=(0, 2))  # (E,)
+    forwards = torch.full((), f, dtype=z.dtype, device=z.device)
+    row = torch.stack(
+        [
+            mean.sum(),
+            mean.sum() / math.log(e),
+            _linear_quantile(h, 0.1).sum(),
+            margin.sum(),
+            forwards,
+        ]
+    )
+    return row, assigned.to(z.dtype) / (n * top_k)
+
+
+def _kth_largest(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k-th and 2nd largest value over the experts of p (F, E, N), counting
+    repeated values: (F, 1, N) each. k + 1 passes of one max over the experts."""
+    remaining = p.clone()
+    found = torch.zeros_like(p[:, :1])  # (F, 1, N) how many values are >= the current one
+    kth = second = None
+    for _ in range(max(k, 2)):
+        value = remaining.amax(dim=1, keepdim=True)  # the next distinct value, (F, 1, N)
+        at_least = (p >= value).sum(dim=1, keepdim=True).to(p.dtype)
+        kth = value if kth is None else torch.where(found >= k, kth, value)
+        second = value if second is None else torch.where(found >= 2, second, value)
+        found = at_least
+        remaining.masked_fill_(remaining >= value, -math.inf)
+    assert kth is not None and second is not None
+    return kth, second
+
+
+def _linear_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """Quantile along the last dimension of x (..., N) with linear interpolation (numpy's
+    default) via kthvalue: (...). O(N), no sort, no host synchronization, no size limit."""
+    n = x.shape[-1]
+    pos = q * (n - 1)
+    lo = math.floor(pos)
+    frac = pos - lo
+    v_lo = torch.kthvalue(x, lo + 1, dim=-1).values
+    if frac == 0.0:
+        return v_lo
+    v_hi = torch.kthvalue(x, min(lo + 2, n), dim=-1).values
+    return v_lo + frac * (v_hi - v_lo)

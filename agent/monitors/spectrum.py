@@ -202,7 +202,10 @@ def update_spectrum(w_prev: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _update_spectrum(w_prev: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    s = torch.linalg.svdvals(w - w_prev)
+    diff = w - w_prev  # (..., m, n)
+    if diff.shape[-2] < diff.shape[-1]:  # same values; LAPACK is several times faster tall
+        diff = diff.mT
+    s = torch.linalg.svdvals(diff)
     tol = default_rtol(tuple(w.shape[-2:]), s.dtype) * s[..., :1]
     return torch.where(s > tol, s, torch.zeros_like(s))
 
