@@ -55,7 +55,13 @@ class Costs:
 
     def __init__(self) -> None:
         self._seconds = dict.fromkeys(PARTS, 0.0)
+        self._sources: dict[str, Callable[[], float]] = {}
         self._lock = threading.Lock()  # two threads add (training, monitor)
+
+    def source(self, part: str, seconds: Callable[[], float]) -> None:
+        """``part`` also counts ``seconds()``: a counter kept where taking the lock on every
+        call would cost too much (the router hooks: one per router per forward)."""
+        self._sources[part] = seconds
 
     def add(self, part: str, seconds: float) -> None:
         with self._lock:
@@ -93,4 +99,7 @@ class Costs:
     def seconds(self) -> dict[str, float]:
         """A copy: part -> seconds."""
         with self._lock:
-            return dict(self._seconds)
+            out = dict(self._seconds)
+        for part, seconds in self._sources.items():
+            out[part] = out.get(part, 0.0) + seconds()
+        return out

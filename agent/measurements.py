@@ -213,7 +213,13 @@ class Measurements:
 
     def _submit_job(self, job: QKJob) -> Future:
         orders = tuple(self.config.qk.orders)
-        return self.submit(self.costs.on_monitor_thread(lambda: compute_qk_samples(job, orders)))
+        return self.submit(self.costs.on_monitor_thread(lambda: self._compute(job, orders)))
+
+    def _compute(self, job: QKJob, orders: tuple[int, ...]) -> list[Sample]:
+        """The job's samples (monitor thread); its snapshot buffers are reused afterwards."""
+        samples = compute_qk_samples(job, orders)
+        self.qk.buffers.finished(job)
+        return samples
 
     def _collect_due(self, step: int) -> list[Sample]:
         out: list[Sample] = []

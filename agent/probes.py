@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +70,16 @@ class RouterProbe:
         self, sites: list[RouterSite], default_top_k: int = 1, costs: Costs | None = None
     ) -> None:
         self.sites = sites
-        self.costs = costs if costs is not None else Costs()
+        self.hook_seconds = 0.0  # wall seconds in the hooks (training thread only)
+        if costs is not None:
+            costs.source("router hooks", lambda: self.hook_seconds)
         self.default_top_k = default_top_k
+        for site in sites:
+            top_k = site.top_k or default_top_k
+            if not 1 <= top_k <= site.num_experts:
+                raise ValueError(
+                    f"router {site.name}: top_k must be in [1, {site.num_experts}], got {top_k}"
+                )
         self._buffers = [
             RouterLogitBuffer(site.num_experts, site.top_k or default_top_k) for site in sites
         ]
@@ -121,26 +130,24 @@ class RouterProbe:
         return hook
 
     def _record(self, index: int, site: RouterSite, args: tuple, kwargs: dict) -> None:
-        """Buffer one forward's z = x W^T + b (on the device; reduced in batches)."""
+        """Buffer one forward's z = x W^T + b (on the device; reduced in batches). Runs in
+        every training forward: detached tensors (no autograd context needed), few calls."""
         start = time.perf_counter()
-        top_k = site.top_k or self.default_top_k
         try:
             x = router_input(args, kwargs, site.d_model)  # (..., d)
             if x is None or x.numel() == 0:
                 return
-            if not 1 <= top_k <= site.num_experts:
-                raise ValueError(f"top_k must be in [1, {site.num_experts}], got {top_k}")
-            with torch.no_grad():
-                self._buffers[index].add(
-                    x.detach().reshape(-1, x.shape[-1]), site.weight(), site.bias()
-                )
-                self._seen[index] = True
-                if index in self._capture:  # the weight is whole inside the forward
-                    self._captured[index] = (self._capture.pop(index), self.weight_stats(index))
+            self._buffers[index].add(
+                x.detach().reshape(-1, x.shape[-1]), site.weight().detach(), _detached(site.bias())
+            )
+            self._seen[index] = True
+            if self._capture and index in self._capture:  # the weight is whole in the forward
+                self._captured[index] = (self._capture.pop(index), self.weight_stats(index))
         except Exception as exc:  # never break the user's forward
             if len(self.errors) < 10:
                 self.errors.append(f"router probe {site.name}: {exc!r}")
-        self.costs.add("router hooks", time.perf_counter() - start)
+        finally:
+            self.hook_seconds += time.perf_counter() - start
 
     def _name_silent_routers(self) -> None:
         """Once, at the first read-out: warn about every router that produced no data."""
@@ -230,6 +237,10 @@ class RouterProbe:
         return out
 
 
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
 def router_samples(
     step: int,
     site: RouterSite,
@@ -289,21 +300,61 @@ def control_slice(w: torch.Tensor, rows: int | None) -> torch.Tensor:
     return w[..., :rows, :]
 
 
+class SnapshotBuffers:
+    """Preallocated fp32 snapshot tensors, reused: a snapshot is one copy kernel into a free
+    buffer (the cast included), no allocation once the run has gone round once.
+
+    A buffer is free again when the job that read it has finished (``finished``, called on
+    the monitor thread) and it is not the previous snapshot of a layer's next evaluation;
+    the training thread takes the finished jobs back at its next snapshot step (``reclaim``).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[str, torch.Size, torch.device], list[torch.Tensor]] = {}
+        self._finished: deque[QKJob] = deque()  # appended by the monitor thread
+
+    def copy(self, name: str, p: torch.Tensor, target: torch.device) -> torch.Tensor:
+        """An fp32 copy of ``p`` on ``target`` in a reused buffer (asynchronous on a GPU)."""
+        free = self._free.get((name, p.shape, target))
+        buffer = free.pop() if free else torch.empty(p.shape, dtype=torch.float32, device=target)
+        buffer.copy_(p, non_blocking=p.is_cuda and target.type == "cpu")
+        return buffer
+
+    def finished(self, job: QKJob) -> None:
+        """``job`` was computed (monitor thread): its buffers may be reused."""
+        self._finished.append(job)
+
+    def reclaim(self, keep: list[dict[str, torch.Tensor]]) -> None:
+        """Free the buffers of the finished jobs, except those in the snapshots ``keep``."""
+        kept = {id(t) for snapshot in keep for t in snapshot.values()}
+        while self._finished:
+            job = self._finished.popleft()
+            for snapshot in (job.previous, job.current):
+                for name, t in snapshot.items():
+                    if isinstance(t, torch.Tensor) and id(t) not in kept:
+                        self._free.setdefault((name, t.shape, t.device), []).append(t)
+                        kept.add(id(t))  # a buffer is freed once
+
+    def clear(self) -> None:
+        self._finished.clear()
+
+
 def _snapshot(
     site: AttentionSite,
     device: str | None,
     controls: dict[str, torch.nn.Parameter],
     control_rows: int | None = None,
+    buffers: SnapshotBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp32 copies of the layer's Q/K parameters and of the measured part of its control
     matrices (``control_slice``): the only work on the training thread."""
-    out = {}
+    buffers = buffers or SnapshotBuffers()
     live = {**site.parameters_to_snapshot()}
     live.update({name: control_slice(p.detach(), control_rows) for name, p in controls.items()})
+    out = {}
     for name, p in live.items():
         target = p.device if device is None else torch.device(device)
-        non_blocking = p.is_cuda and target.type == "cpu"
-        out[name] = p.detach().to(target, dtype=torch.float32, non_blocking=non_blocking, copy=True)
+        out[name] = buffers.copy(name, p.detach(), target)
     return out
 
 
@@ -326,6 +377,7 @@ class QKSnapshots:
         self.sites = sites
         self.controls = controls or {}  # site name -> {parameter name: parameter}
         self.control_rows = control_rows  # see ``control_slice``
+        self.buffers = SnapshotBuffers()
         self.directions: dict[tuple[str, int], torch.Tensor] = {}
         self.delta = delta
         self.layers_per_eval = min(layers_per_eval or len(sites), len(sites))
@@ -347,9 +399,11 @@ class QKSnapshots:
         self._previous_step = None
         self._planned = []
         self.directions.clear()
+        self.buffers.clear()
 
     def _snapshot(self, site: AttentionSite) -> dict[str, torch.Tensor]:
-        return _snapshot(site, self.device, self.controls.get(site.name, {}), self.control_rows)
+        controls = self.controls.get(site.name, {})
+        return _snapshot(site, self.device, controls, self.control_rows, self.buffers)
 
     def _plan(self) -> list[AttentionSite]:
         n = len(self.sites)
@@ -367,6 +421,7 @@ class QKSnapshots:
         """Call every step; takes snapshots on multiples of ``delta``; returns due jobs."""
         if not self.sites or step % self.delta != 0:
             return []
+        self.buffers.reclaim(list(self._previous.values()))
         evaluating = self._previous_step is not None and step - self._previous_step == self.delta
         measured = self._planned if evaluating else []
         heads = {site.name: self._heads(site) for site in measured}
@@ -466,14 +521,25 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
         wq_norm = torch.linalg.matrix_norm(wq1, ord=2)
         directions = qk_delta2_direction(wq0, wk0, wq1, wk1)
     names = {1: m.QK_DELTA1_ENTROPY, 2: m.QK_DELTA2_ENTROPY, 3: m.QK_DELTA3_ENTROPY}
+    # One spectrum_stats call for every spectrum of the job: each block (n, k) is padded with
+    # zeros to one width (zeros are dropped like any value below the cut-off, and every
+    # spectrum's cut-off is eps * d * s_max: max(d, d) = max(d, d_h) = d).
+    blocks = [deltas[order] for order in orders] + [dwq, dwk]  # (n, k_i) each
+    width = max(b.shape[-1] for b in blocks)
+    stacked = torch.cat([torch.nn.functional.pad(b, (0, width - b.shape[-1])) for b in blocks])
+    stats = spectrum_stats(stacked, shape=(d, d))  # fields (len(blocks) n,)
+    n = len(heads)
+    host = torch.stack([stats.entropy, stats.stable_rank, stats.frobenius]).tolist()
+    entropy, stable_rank, frobenius = (
+        [v[i * n : (i + 1) * n] for i in range(len(blocks))] for v in host
+    )
     per_head: dict[str, list[float]] = {}
-    for order in orders:
-        stats = spectrum_stats(deltas[order], shape=(d, d))
-        per_head[names[order]] = stats.entropy.tolist()
+    for i, order in enumerate(orders):
+        per_head[names[order]] = entropy[i]
         if order == 2:
-            per_head[m.QK_DELTA2_STABLE_RANK] = stats.stable_rank.tolist()
-            per_head[m.QK_DELTA2_FROBENIUS] = stats.frobenius.tolist()
-    per_head[m.DWQ_ENTROPY] = spectrum_stats(dwq, shape=(d, dh)).entropy.tolist()
+            per_head[m.QK_DELTA2_STABLE_RANK] = stable_rank[i]
+            per_head[m.QK_DELTA2_FROBENIUS] = frobenius[i]
+    per_head[m.DWQ_ENTROPY] = entropy[len(orders)]
     per_head[m.WQ_SPECTRAL_NORM] = wq_norm.tolist()
     per_head[m.QK_DELTA2_PERSISTENCE] = _persistence(job, directions)
     out: list[Sample] = []
@@ -483,7 +549,7 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
                 continue  # the head's first evaluation: no earlier direction to compare with
             out.append(Sample.make(job.step, metric, value, layer=site.name, head=h))
     # dW_k and ||W_k|| once per KV head: the first selected query head of each group carries it.
-    dwk_entropy = spectrum_stats(dwk, shape=(d, dh)).entropy.tolist()
+    dwk_entropy = entropy[len(orders) + 1]
     wk_norm = torch.linalg.matrix_norm(wk1, ord=2).tolist()
     seen: set[int] = set()
     for i, h in enumerate(heads):
@@ -499,11 +565,15 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
 def _persistence(job: QKJob, now: torch.Tensor) -> list[float]:
     """|cos| between each head's Delta_2 top direction ``now`` (n, d; unit or zero vectors)
     and the one at its previous evaluation (NaN at a head's first evaluation)."""
-    out = []
-    for i, h in enumerate(job.heads):
-        key = (job.site.name, h)
-        before = job.directions.get(key)
-        out.append(math.nan if before is None else abs(float(now[i] @ before)))
+    keys = [(job.site.name, h) for h in job.heads]
+    before = [job.directions.get(key) for key in keys]
+    seen = [i for i, b in enumerate(before) if b is not None]
+    out = [math.nan] * len(keys)
+    if seen:
+        cos = (now[seen] * torch.stack([before[i] for i in seen])).sum(dim=-1).abs().tolist()
+        for i, value in zip(seen, cos, strict=True):
+            out[i] = value
+    for i, key in enumerate(keys):
         job.directions[key] = now[i]
     return out
 

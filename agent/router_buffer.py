@@ -69,20 +69,27 @@ class RouterLogitBuffer:
         self.max_bytes, self.max_forwards = max_bytes, max_forwards
         self._logits: torch.Tensor | None = None  # (slots, E, N) at the input's precision
         self._spare: torch.Tensor | None = None  # a reduced buffer to swap in at a hand-over
+        self._slots: list[torch.Tensor] = []  # the (E, N) views of ``_logits``, one per slot
         self._filled = 0  # slots holding a forward's logits
         self._sums: torch.Tensor | None = None  # (5,) in ROUTING_SUM_FIELDS order, fp32+
         self._load: torch.Tensor | None = None  # (E,) summed load fractions
 
     def add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Buffer z^T = W x^T + b for x (tokens, d), W [E, d], b [E], at x's precision."""
-        buffer = self._slot_for(x)
-        out = buffer[self._filled]  # (E, N), a contiguous view
-        with torch.autocast(x.device.type, enabled=False):  # out= needs the input's dtype
-            torch.matmul(weight.detach().to(x.dtype), x.t(), out=out)
-            if bias is not None:
-                out.add_(bias.detach().to(x.dtype).unsqueeze(-1))
+        """Buffer z^T = W x^T + b for x (tokens, d), W [E, d], b [E], at x's precision; x, W
+        and b detached (no autograd graph). Runs inside every training forward, with the
+        caches cold: as few operations as possible."""
+        slots = self._slots
+        if not slots or not _fits(self._logits, x):
+            slots = self._new_buffer(x)
+        out = slots[self._filled]  # (E, N), a contiguous view made once
+        w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        if torch.is_autocast_enabled(x.device.type):  # out= keeps the input's dtype anyway
+            with torch.autocast(x.device.type, enabled=False):
+                _product(w, x, bias, out)
+        else:
+            _product(w, x, bias, out)
         self._filled += 1
-        if self._filled == buffer.shape[0]:
+        if self._filled == len(slots):
             self.flush()
 
     def flush(self) -> None:
@@ -120,7 +127,7 @@ class RouterLogitBuffer:
             self._load,
             storage,
         )
-        self._logits, self._spare = self._spare, None
+        self._logits, self._slots = None, []  # the next forward takes the spare, if any
         self._filled = 0
         self._sums = self._load = None
         return batch
@@ -135,24 +142,34 @@ class RouterLogitBuffer:
         self._filled = 0
         self._sums = self._load = None
 
-    def _slot_for(self, x: torch.Tensor) -> torch.Tensor:
-        """The buffer for a forward like ``x``, (slots, E, N); a new one (after reducing what
-        the old one holds) when the token count, dtype or device changed."""
-        tokens = x.shape[0]
-        buffer = self._logits
-        if buffer is None or not _fits(buffer, x):
-            self.flush()
-            spare, self._spare = self._spare, None
-            if spare is not None and _fits(spare, x):
-                self._logits = spare
-                return spare
+    def _new_buffer(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Reduce what the current buffer holds and switch to one for forwards like ``x``:
+        the spare when it fits, else a new one; returns its slots, (E, N) views."""
+        self.flush()
+        spare, self._spare = self._spare, None
+        if spare is None or not _fits(spare, x):
+            tokens = x.shape[0]
             per_forward = max(1, tokens * self.num_experts * x.element_size())
             slots = max(1, min(self.max_forwards, self.max_bytes // per_forward))
-            buffer = torch.empty((slots, self.num_experts, tokens), dtype=x.dtype, device=x.device)
-            self._logits = buffer
-        return buffer
+            spare = torch.empty((slots, self.num_experts, tokens), dtype=x.dtype, device=x.device)
+        self._logits = spare
+        self._slots = list(spare.unbind(0))
+        return self._slots
 
 
-def _fits(buffer: torch.Tensor, x: torch.Tensor) -> bool:
+def _fits(buffer: torch.Tensor | None, x: torch.Tensor) -> bool:
     """Can ``buffer`` (slots, E, N) take the logits of a forward with input x (N, d)?"""
-    return buffer.shape[2] == x.shape[0] and buffer.dtype == x.dtype and buffer.device == x.device
+    return (
+        buffer is not None
+        and buffer.shape[2] == x.shape[0]
+        and buffer.dtype == x.dtype
+        and buffer.device == x.device
+    )
+
+
+def _product(w: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out (E, N) = W x^T + b, one kernel."""
+    if b is None:
+        torch.matmul(w, x.t(), out=out)
+    else:
+        torch.addmm(b.to(x.dtype).unsqueeze(-1), w, x.t(), out=out)

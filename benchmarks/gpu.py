@@ -11,8 +11,9 @@ Run: python benchmarks/gpu.py --out benchmarks/results/gpu.md       (needs CUDA;
    (method "qr" and "gram", when that module exists), and the agent's own code
    (``QKSnapshots`` + ``compute_qk_samples`` on nn.Linear q_proj/k_proj layers; the snapshot is
    training-thread work, the samples monitor-thread work). The control matrices the agent also
-   measures by default (v_proj, o_proj, MLP gate/up: full update spectra) are timed for one
-   layer and multiplied by the layer count. CUDA-synchronized, warm-up excluded, medians.
+   measures by default (v_proj, o_proj, MLP gate/up: update spectra of their first
+   ``qk.control_rows`` rows, the agent's default ``AgentConfig().qk.control_rows``) are timed for
+   one layer and multiplied by the layer count. CUDA-synchronized, warm-up excluded, medians.
 2. The agent on a ~100M-parameter decoder (plain torch: SDPA attention with q/k/v/o_proj, two
    MoE layers with an HF-style ``mlp.gate`` router, bf16 autocast, AdamW): whole runs of
    ``steps`` steps with and without ``Agent`` (default monitors and rules, detect-only),
@@ -328,8 +329,9 @@ class _Block(nn.Module):
 def measure_agent_controls(
     shape: QKShape, device: torch.device, repeats: int, dtype: torch.dtype
 ) -> list[QKResult]:
-    """The control matrices of ONE layer (the agent's default: up to 4, ``find_controls``),
-    through ``compute_qk_samples``' control-only branch; then x layers (not measured)."""
+    """The control matrices of ONE layer (the agent's default: up to 4, ``find_controls``,
+    measured on their first ``qk.control_rows`` rows as the Agent does), through
+    ``compute_qk_samples``' control-only branch; then x layers (not measured)."""
     torch.manual_seed(0)
     model = nn.Module()
     with torch.device(device):
@@ -337,13 +339,18 @@ def measure_agent_controls(
     model.layers = nn.ModuleList([block.to(dtype=dtype)])
     (site,) = find_attention(model)
     controls = find_controls(model, site)
-    snaps = QKSnapshots([site], delta=1, controls={site.name: controls})
+    rows = AgentConfig().qk.control_rows  # the agent's default
+    snaps = QKSnapshots([site], delta=1, controls={site.name: controls}, control_rows=rows)
     snaps.on_step(0)
     _perturb(model)
     (job,) = snaps.on_step(1)
     job = dataclasses.replace(job, heads=[])  # controls only (a rank owning only them)
     one_ms = _median_ms(lambda: compute_qk_samples(job), device, max(2, repeats // 2))
-    shapes = ", ".join(f"{'x'.join(map(str, p.shape))}" for p in controls.values())
+    measured = [tuple(job.current[name].shape) for name in controls]  # the snapshotted part
+    shapes = ", ".join(
+        "x".join(map(str, p.shape)) + ("" if tuple(p.shape) == part else f" (rows 0-{part[0] - 1})")
+        for p, part in zip(controls.values(), measured, strict=True)
+    )
     return [
         QKResult(shape, f"agent: {len(controls)} controls of one layer", one_ms, shapes),
         QKResult(

@@ -6,8 +6,9 @@ Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
 1. Whole runs (what a user sees): the test bed's clean run (seed 0, one torch thread) as
    separate processes, with and without a default ``Agent(model, optimizer, scheduler)``
    (every default monitor and rule, actions on, no checkpoints: the defaults), alternated
-   (bare, agent, agent given the grad norm; the order rotates from pair to pair so that a
-   drift of the machine hits every variant alike). A run's wall time is from building the
+   (bare, agent, agent given the grad norm, and, to show what the mechanism monitors cost,
+   an agent with the QK and router monitors off; the order rotates from pair to pair so that
+   a drift of the machine hits every variant alike). A run's wall time is from building the
    model to ``agent.close()`` returning: construction, every step, the monitor thread, close.
    Importing mechwatch is a one-time cost that does not grow with the run; it is printed
    apart. Every run is listed; the overhead is the ratio of the medians, with the range of
@@ -35,7 +36,7 @@ from provenance import provenance
 from timing import QKLayer
 from torch import nn
 
-VARIANTS = ("bare", "agent", "agent, grad norm given")
+VARIANTS = ("bare", "agent", "agent, grad norm given", "agent, no QK / router monitors")
 
 
 def child(variant: str, steps: int) -> dict:
@@ -50,10 +51,13 @@ def child(variant: str, steps: int) -> dict:
     imported = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
-        run = TestbedRun(ScenarioConfig.preset("clean", seed=0, steps=steps + 1))
+        scenario = ScenarioConfig.preset("clean", seed=0, steps=steps + 1)
+        run = TestbedRun(scenario, record_monitors=False)  # the bare loop: no test-bed monitors
         agent = None
         if variant != "bare":
-            agent = Agent(run.model, run.optimizer, run.scheduler, AgentConfig(run_dir=run_dir))
+            off = {"qk": {"enabled": False}, "router": {"enabled": False}}
+            config = AgentConfig(run_dir=run_dir, **(off if "no QK" in variant else {}))
+            agent = Agent(run.model, run.optimizer, run.scheduler, config)
         give_norm = variant == "agent, grad norm given"
         for step in range(steps):
             loss = run.step()
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.steps)))
         return 0
+    torch.set_num_threads(1)  # as in every run (the provenance line reports it)
     lines = provenance()
     results = whole_runs(args.pairs, args.steps)
     lines += whole_run_table(results, args.steps) + breakdown_table(results, args.steps)

@@ -1,18 +1,23 @@
 """Monitor cost and snapshot memory at 7B, 70B and 671B shapes, on paper: derived from unit
-costs MEASURED here (CPU, one intra-op thread) with the agent's own code.
+costs MEASURED here (CPU, one intra-op thread) with the agent's own code, at its defaults.
 
-Run: python benchmarks/scale.py [--out benchmarks/results/scale.md]    (about 3 minutes)
+Run: python benchmarks/scale.py [--out benchmarks/results/scale.md]    (about 2 minutes)
 
 Measured (fp32, medians, the agent's code):
 
-- one QK job (``QKSnapshots`` + ``compute_qk_samples``: every QK spectrum, the persistence
-  direction, ||W_k||) of n = 2 and n = 6 query heads at each model's real d and d_h: MHA at
-  d 4096, GQA at d 8192 (8 query heads per KV head), MLA at d 7168 (factors through the
-  q/kv latents, ``agent.discovery.latent``); cost = per job + n x per head;
-- one control matrix's update spectrum (``compute_qk_samples``' control branch: a full
-  ``svdvals`` of W(t) - W(t - delta)) at calibration shapes and at those real shapes that take
-  seconds; the others (8192 x 8192 and up) from a power law in LAPACK's flop count, fitted
-  separately to tall and wide matrices (MKL is several times slower on a wide one);
+- one QK job (``QKSnapshots`` + ``compute_qk_samples``: every QK spectrum and Delta_2's top
+  direction (persistence) from one batched QR pass, ||W_k||) of n = 2 and n = 6 query heads at
+  each model's real d and d_h: MHA at d 4096, GQA at d 8192 (8 query heads per KV head), MLA at
+  d 7168 (factors through the q/kv latents, ``agent.discovery.latent``); cost = per job + n x
+  per head;
+- one control matrix's update spectrum (``compute_qk_samples``' control branch) at every real
+  control shape, as the agent measures it by default: built with
+  ``control_rows = AgentConfig().qk.control_rows``, a matrix whose both dimensions exceed it is
+  snapshotted and measured on its first ``control_rows`` rows (``agent.probes.control_slice``);
+- what ``control_rows: null`` (whole matrices) costs: re-measured at the real shapes that take
+  seconds, the rest taken from this table at commit 9ad304b (``WHOLE_9AD304B``: measured there,
+  or from a flop model fitted there; wide shapes at the cost of their transpose, which
+  ``update_spectrum`` now takes);
 - the router probe on 8192 tokens x 256 experts (d 7168, top-8): forwards with the probe
   attached minus without, plus its read-out, per forward.
 
@@ -41,14 +46,16 @@ from provenance import provenance
 from timing import QKLayer, median_seconds
 from torch import nn
 
+from agent.config import AgentConfig
 from agent.discovery import find_attention, find_routers
 from agent.distributed.assignment import control_rank, head_rank
-from agent.probes import QKSnapshots, RouterProbe, compute_qk_samples
+from agent.probes import QKSnapshots, RouterProbe, compute_qk_samples, control_slice
 
 H100_BF16 = 989e12  # dense bf16 FLOP/s of an H100 / H800 SXM (no sparsity)
 BUDGET = 0.01  # monitor-thread work per step, as a fraction of the step time
 APPLY_LAG = 5  # scheduling.apply_lag: a result later than this many steps stalls training
 DELTAS = (25, 50, 100, 200, 400)
+CONTROL_ROWS = AgentConfig().qk.control_rows  # the agent's default (None: whole matrices)
 
 # ----------------------------------------------------------------------------- model shapes
 
@@ -252,7 +259,9 @@ def measure_head_cost(kind: str, ns: tuple[int, int] = (2, 6)) -> HeadCost:
         torch.manual_seed(0)
         model, shape = _qk_layer(kind, n)
         (site,) = find_attention(model)
-        snaps = QKSnapshots([site], delta=1, heads_per_layer=n, controls={})
+        snaps = QKSnapshots(
+            [site], delta=1, heads_per_layer=n, controls={}, control_rows=CONTROL_ROWS
+        )
         snaps.on_step(0)
         _perturb(model)
         (job,) = snaps.on_step(1)
@@ -261,118 +270,125 @@ def measure_head_cost(kind: str, ns: tuple[int, int] = (2, 6)) -> HeadCost:
     return HeadCost(kind, shape, ns, (seconds[0], seconds[1]))
 
 
-def measure_control(m: int, n: int, repeats: int) -> float:
-    """Seconds for one control matrix [m, n]: ``compute_qk_samples`` of a job that holds only
-    that control (the branch a rank owning a layer's controls runs)."""
+def control_part(shape: tuple[int, int], rows: int | None) -> tuple[int, int]:
+    """The part of a control matrix [out, in] the agent measures and snapshots with
+    ``qk.control_rows`` = ``rows`` (``agent.probes.control_slice``, applied to a meta tensor)."""
+    m, n = control_slice(torch.empty(shape, device="meta"), rows).shape
+    return m, n
+
+
+def measure_control(shape: tuple[int, int], rows: int | None, repeats: int) -> float:
+    """Seconds for one control matrix [m, n] as the agent measures it with ``control_rows`` =
+    ``rows``: ``compute_qk_samples`` of a job that holds only that control (the branch a rank
+    owning a layer's controls runs). The whole matrix is built and perturbed; QKSnapshots
+    snapshots (and the job measures) only ``control_part``, which is asserted."""
+    m, n = shape
     torch.manual_seed(0)
     model = nn.Module()
     model.attn = QKLayer(64, 2, 2, 16)  # a host site; its heads are not measured
     control = nn.Parameter(torch.randn(m, n) / n**0.5)
     (site,) = find_attention(model)
-    snaps = QKSnapshots([site], delta=1, controls={site.name: {"control.weight": control}})
+    controls = {site.name: {"control.weight": control}}
+    snaps = QKSnapshots([site], delta=1, controls=controls, control_rows=rows)
     snaps.on_step(0)
     with torch.no_grad():
         control.add_(1e-3 * torch.randn_like(control) / n**0.5)
     (job,) = snaps.on_step(1)
     job = dataclasses.replace(job, heads=[])
+    assert tuple(job.current["control.weight"].shape) == control_part(shape, rows), job
+    del control, controls, snaps  # only the job's snapshots stay
     return median_seconds(lambda: compute_qk_samples(job), repeats, warmup=repeats > 1)
 
 
-def svd_flops(m: int, n: int) -> tuple[float, float]:
-    """(QR flops, bidiagonalization flops) of a values-only SVD of an [m, n] matrix as MKL
-    runs it here: a tall one (m >= 11/6 n, LAPACK's cross-over) is QR-factored first and its
-    n x n R bidiagonalized; a square or wide one is bidiagonalized directly (on a wide one MKL
-    takes no LQ short cut: 1024 x 4096 costs ~6x its transpose, see the measured points)."""
-    if 6 * m >= 11 * n:
-        return 2 * m * n**2 - 2 * n**3 / 3, 8 * n**3 / 3
-    big, small = max(m, n), min(m, n)
-    return 0.0, 4 * big * small**2 - 4 * small**3 / 3
-
-
-@dataclass(frozen=True)
-class SvdModel:
-    """seconds = QR flops / qr_rate + bidiagonalization flops / bd_rate, with bd_rate that of
-    the square of the bidiagonalized size (the largest measured square beyond it: out of
-    cache, memory bound), and of wide matrices their own median rate."""
-
-    square_rates: dict[int, float]  # s -> flop/s bidiagonalizing an s x s matrix
-    qr_rate: float  # flop/s, median over the measured tall QR-path shapes
-    wide_rate: float  # flop/s, median over the measured wide shapes (direct bidiagonalization)
-    points: tuple[tuple[int, int, float], ...]
-
-    def seconds(self, m: int, n: int) -> float:
-        f_qr, f_bd = svd_flops(m, n)
-        if m < n:
-            return f_bd / self.wide_rate
-        s = min(m, n)
-        sizes = sorted(self.square_rates)
-        size = max([x for x in sizes if x <= s], default=sizes[0])
-        return f_qr / self.qr_rate + f_bd / self.square_rates[size]
-
-    def errors(self) -> list[float]:
-        """measured / modelled, per point."""
-        return [t / self.seconds(m, n) for m, n, t in self.points]
-
-
-def fit_svd(points: list[tuple[int, int, float]]) -> SvdModel:
-    squares = {m: svd_flops(m, n)[1] / t for m, n, t in points if m == n}
-    partial = SvdModel(squares, 1.0, 1.0, ())
-    qr = []
-    for m, n, t in points:
-        f_qr, f_bd = svd_flops(m, n)
-        if m > n and f_qr:
-            rest = t - partial.seconds(m, n) + f_qr  # t minus the bidiagonalization part
-            if rest > 0:
-                qr.append(f_qr / rest)
-    wide = [svd_flops(m, n)[1] / t for m, n, t in points if m < n]
-    return SvdModel(squares, statistics.median(qr), statistics.median(wide), tuple(points))
-
-
-# Control-matrix shapes timed directly (calibration, and the real shapes that take seconds);
-# the rest come from the model.
-CALIBRATION = (
-    (1024, 1024),
-    (2048, 2048),
-    (4096, 4096),  # Llama-2-7B v_proj / o_proj
-    (4096, 1024),
-    (8192, 1024),
-    (8192, 2048),
-    (7168, 2048),  # DeepSeek-V3 shared expert down_proj
-    (11008, 4096),  # Llama-2-7B gate_proj / up_proj
-    (1024, 4096),
-    (2048, 4096),
-    (1024, 8192),  # Llama-3-70B v_proj
-    (2048, 7168),  # DeepSeek-V3 shared expert gate_proj / up_proj
-)
+# control_rows: null (whole matrices). Per-matrix seconds from benchmarks/results/scale.md at
+# commit 9ad304b (this machine, 2026-12-01, the agent code before that commit: no control_rows,
+# no transpose in update_spectrum), rounded as printed there: "measured" where a shape was
+# timed, "model" from its two-rate fit of LAPACK's values-only SVD flop count to 12 timed
+# shapes (measured / modelled 0.88-1.24). Not re-measured: the large ones take 100-340 s each.
+# Only tall and square shapes: a wide difference is transposed now, so a wide matrix costs
+# what its transpose cost then.
+WHOLE_9AD304B: dict[tuple[int, int], tuple[float, str]] = {
+    (4096, 4096): (13.54, "measured"),
+    (11008, 4096): (18.95, "measured"),
+    (8192, 1024): (0.51, "measured"),
+    (7168, 2048): (2.20, "measured"),
+    (8192, 8192): (108.0, "model"),
+    (28672, 8192): (167.0, "model"),
+    (18432, 7168): (100.0, "model"),
+    (16384, 7168): (96.6, "model"),
+}
+# Their wide shapes as measured at 9ad304b (before the transpose), to compare with now.
+WIDE_9AD304B = {(1024, 8192): 4.26, (2048, 7168): 11.68}
+# Whole matrices re-measured now (seconds each): the wide real shapes that are cheap once
+# transposed, the small tall one, and 4096 x 4096 as an anchor (same path as at 9ad304b: the
+# ratio says how far today's machine state moves the reused numbers).
+WHOLE_NOW = ((1024, 8192), (2048, 7168), (7168, 2048), (4096, 4096))
 
 
 @dataclass(frozen=True)
 class ControlCosts:
-    measured: dict[tuple[int, int], float]
-    model: SvdModel
+    """Seconds per control matrix [out, in] at one ``control_rows`` setting."""
+
+    rows: int | None
+    seconds_by_shape: dict[tuple[int, int], float]
+    sources: dict[tuple[int, int], str]
 
     def seconds(self, shape: tuple[int, int]) -> float:
-        if shape in self.measured:
-            return self.measured[shape]
-        return self.model.seconds(*shape)
+        return self.seconds_by_shape[shape]
 
     def source(self, shape: tuple[int, int]) -> str:
-        return "measured" if shape in self.measured else "model"
+        return self.sources[shape]
 
-    def transposed(self, shape: tuple[int, int]) -> float:
-        """What a wide matrix would cost transposed (the same singular values)."""
+    def part(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return control_part(shape, self.rows)
+
+
+def real_control_shapes() -> list[tuple[int, int]]:
+    shapes: list[tuple[int, int]] = []
+    for model in MODELS:
+        for shape in (*model.controls, *(model.moe_controls or ())):
+            if shape not in shapes:
+                shapes.append(shape)
+    return shapes
+
+
+def whole_costs(now: dict[tuple[int, int], float]) -> ControlCosts:
+    """control_rows: null: re-measured where ``now`` has the shape, else 9ad304b's number of
+    the shape (tall or square) or of its transpose (wide)."""
+    seconds, sources = {}, {}
+    for shape in real_control_shapes():
         m, n = shape
-        return self.seconds((n, m))
+        if shape in now:
+            seconds[shape], sources[shape] = now[shape], "measured now"
+        elif shape in WHOLE_9AD304B:
+            seconds[shape], how = WHOLE_9AD304B[shape]
+            sources[shape] = f"9ad304b ({how})"
+        else:
+            seconds[shape], how = WHOLE_9AD304B[(n, m)]
+            sources[shape] = f"9ad304b, its transpose ({how})"
+    return ControlCosts(None, seconds, sources)
 
 
-def measure_controls() -> ControlCosts:
-    measured = {}
-    for m, n in CALIBRATION:
-        repeats = 3 if sum(svd_flops(m, n)) < 2e10 else 1
-        measured[(m, n)] = measure_control(m, n, repeats)
-        print(f"  control {m} x {n}: {measured[(m, n)]:.2f} s", flush=True)
-    points = [(m, n, t) for (m, n), t in measured.items()]
-    return ControlCosts(measured, fit_svd(points))
+def measure_controls(rows: int | None, repeats: int = 3) -> tuple[ControlCosts, ControlCosts]:
+    """(the agent's default, control_rows ``rows``; control_rows null). Every real shape is
+    timed at ``rows`` unless that is the whole matrix (then the null cost applies)."""
+    now = {}
+    for shape in WHOLE_NOW:
+        now[shape] = measure_control(shape, None, 1 if shape == (4096, 4096) else 2)
+        print(f"  control {shape[0]} x {shape[1]}, whole: {now[shape]:.2f} s", flush=True)
+    whole = whole_costs(now)
+    seconds, sources = {}, {}
+    for shape in real_control_shapes():
+        if control_part(shape, rows) == shape:
+            seconds[shape], sources[shape] = whole.seconds(shape), whole.source(shape)
+            continue
+        seconds[shape], sources[shape] = measure_control(shape, rows, repeats), "measured now"
+        m, n = control_part(shape, rows)
+        print(
+            f"  control {shape[0]} x {shape[1]} (measures {m} x {n}): {seconds[shape]:.3f} s",
+            flush=True,
+        )
+    return ControlCosts(rows, seconds, sources), whole
 
 
 @dataclass(frozen=True)
@@ -431,13 +447,14 @@ class Settings:
     heads_per_layer: int | None = None  # None: all
     controls: int = 4
 
-    def describe(self, model: ModelShape) -> str:
+    def describe(self, model: ModelShape, rows: int | None = CONTROL_ROWS) -> str:
         lpe = self.layers_per_eval or model.layers
         hpl = self.heads_per_layer or model.heads
-        return (
+        text = (
             f"delta {self.delta}, layers_per_eval {lpe}, heads_per_layer {hpl}, "
             f"controls {self.controls}"
         )
+        return text + (f", control_rows {_rows(rows)}" if self.controls else "")
 
 
 @dataclass(frozen=True)
@@ -489,13 +506,17 @@ def evaluation_work(
     return Work(qk_total / evals, ctl_total / evals, slowest / evals, worst)
 
 
-def snapshot_bytes(model: ModelShape, s: Settings) -> float:
+def snapshot_bytes(model: ModelShape, s: Settings, rows: int | None) -> float:
     """fp32 snapshot bytes held at once by one process: all layers -> previous + current of
     each; a rotating window -> previous + current of the measured window and the previous of
-    the next one (QKSnapshots.on_step), counted at the largest layers."""
+    the next one (QKSnapshots.on_step), counted at the largest layers. Of a control matrix
+    only the part measured with ``control_rows`` = ``rows`` is copied (``control_part``)."""
     lpe = min(s.layers_per_eval or model.layers, model.layers)
     per_layer = max(
-        model.qk_numel + sum(m * n for m, n in model.layer_controls(i)[: s.controls])
+        model.qk_numel
+        + sum(
+            math.prod(control_part(shape, rows)) for shape in model.layer_controls(i)[: s.controls]
+        )
         for i in range(model.layers)
     )
     copies = 2 * model.layers if lpe == model.layers else 3 * lpe
@@ -505,6 +526,12 @@ def snapshot_bytes(model: ModelShape, s: Settings) -> float:
 def fraction(work: Work, model: ModelShape, delta: int) -> float:
     """The slowest rank's monitor work per step as a fraction of the step time."""
     return work.slowest_rank / (delta * model.step.seconds)
+
+
+def _control_bytes(model: ModelShape, rows: int | None) -> float:
+    """What the 4 controls add to the snapshot memory with every layer."""
+    every = snapshot_bytes(model, Settings(controls=4), rows)
+    return every - snapshot_bytes(model, Settings(controls=0), rows)
 
 
 def _options(limit: int, extra: int) -> list[int]:
@@ -578,6 +605,14 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:,.1f} GiB"
 
 
+def _rows(rows: int | None) -> str:
+    return "null" if rows is None else str(rows)
+
+
+def _shape(shape: tuple[int, int]) -> str:
+    return f"{shape[0]} x {shape[1]}"
+
+
 def _git_state() -> str:
     try:
         head = subprocess.run(
@@ -593,13 +628,42 @@ def _git_state() -> str:
     return f"Working tree: commit {head}{more} (the agent code measured is what was there)."
 
 
+# The per-head QK cost printed in this table at commit 9ad304b (Delta_2's direction from a second
+# QR then), to compare with now.
+QK_PER_HEAD_9AD304B = {"mha": 0.098, "gqa": 0.173, "mla": 0.247}
+CONTROL_NAMES = {
+    "Llama-2-7B": ("v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj"),
+    "Llama-3-70B": ("v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _control_groups(model: ModelShape) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    if model.moe_controls is None:
+        return [("all", model.controls)]
+    return [
+        (f"dense (0-{model.first_moe - 1})", model.controls),
+        (f"MoE ({model.first_moe}-{model.layers - 1})", model.moe_controls),
+    ]
+
+
+def _control_label(model: ModelShape, where: str, i: int) -> str:
+    labels = CONTROL_NAMES.get(
+        model.name, ("o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    )
+    moe = where.startswith("MoE")
+    return labels[i] if not moe or i == 0 else "shared_experts." + labels[i][4:]
+
+
 def render(
     heads: dict[str, HeadCost],
     costs: ControlCosts,
+    whole: ControlCosts,
+    now: dict[tuple[int, int], float],
     router: RouterCost,
     seconds: float,
     load: tuple[float, float] = (math.nan, math.nan),
 ) -> list[str]:
+    rows = _rows(costs.rows)
     lines = [
         "# Monitor cost at scale, on paper",
         "",
@@ -610,7 +674,7 @@ def render(
         "available) and is an upper bound for the same work on a GPU, where the snapshots "
         "live by default. A GPU will be faster; by how much is unmeasured here "
         "(`benchmarks/gpu.py` measures it, and was not run).** Costs at shapes that were not "
-        f"timed are derived as stated. Measuring took {seconds:.0f} s; the 1-minute load "
+        f"timed are taken as stated. Measuring took {seconds:.0f} s; the 1-minute load "
         f"average was {load[0]:.1f} at the start and {load[1]:.1f} at the end, on "
         f"{os.cpu_count()} cores"
         + (
@@ -619,48 +683,48 @@ def render(
             else "."
         ),
         "",
+        "What is measured is what the agent does by default: `qk.control_rows` = "
+        f"{rows} (`AgentConfig().qk.control_rows`), so a control matrix whose both dimensions "
+        f"exceed {rows} is snapshotted and measured on its first {rows} rows "
+        "(`agent.probes.control_slice`); `update_spectrum` transposes a wide difference before "
+        "`svdvals`; the QK spectra and Delta_2's direction come from one batched QR pass. "
+        "Whole matrices (`control_rows: null`) are a secondary column: re-measured at the "
+        f"shapes that take seconds ({', '.join(_shape(x) for x in now)}), the rest are the "
+        "numbers of this table at commit 9ad304b (measured or modelled there, before the "
+        "transpose; a wide matrix at its transpose's cost), not re-measured.",
+        "",
         "## Measured unit costs (agent code, fp32, 1 thread, medians)",
         "",
         "| unit | shape | seconds | how |",
         "|---|---|---|---|",
     ]
-    for cost in heads.values():
+    for kind, cost in heads.items():
         lines.append(
             f"| QK job, per query head | {cost.shape} | {cost.per_head:.3f} | compute_qk_samples "
             f"at n = {cost.n[0]} and {cost.n[1]} heads ({_s(cost.seconds[0])}, "
-            f"{_s(cost.seconds[1])}): slope |"
+            f"{_s(cost.seconds[1])}): slope (9ad304b's table: {QK_PER_HEAD_9AD304B[kind]:.3f}) |"
         )
         lines.append(
             f"| QK job, fixed part | {cost.shape} | {cost.per_job:.3f} | intercept of the same |"
         )
-    for (m, n), t in costs.measured.items():
+    for shape in real_control_shapes():
+        if costs.source(shape) != "measured now":
+            continue
         lines.append(
-            f"| control matrix update spectrum | {m} x {n} | {t:.2f} | compute_qk_samples, "
-            "controls only (full svdvals) |"
+            f"| control matrix, control_rows {rows} | {_shape(shape)} (measures "
+            f"{_shape(costs.part(shape))}) | {costs.seconds(shape):.3f} | compute_qk_samples, "
+            "controls only |"
+        )
+    for shape, t in now.items():
+        before = WIDE_9AD304B.get(shape) or WHOLE_9AD304B.get(shape, (math.nan, ""))[0]
+        lines.append(
+            f"| control matrix, control_rows null | {_shape(shape)} | {t:.2f} | "
+            f"compute_qk_samples, controls only, whole matrix (9ad304b's table: {before:.2f}) |"
         )
     lines += [
         f"| router probe, per forward | {router.tokens} tokens x {router.experts} experts, "
         f"d {router.d} | {router.hook_s:.3f} | forwards with the probe + read-out, minus "
         f"without (the router's own x W^T: {router.bare_s:.3f} s) |",
-        "",
-        "Control matrices at untimed shapes (8192 x 8192 and up): a two-rate model of a "
-        "values-only SVD, `svd_flops` (LAPACK's flop counts for the path MKL takes):",
-        "",
-        "- bidiagonalization, from the squares: "
-        + ", ".join(
-            f"{s} x {s}: {r / 1e9:.1f} GFLOP/s" for s, r in sorted(costs.model.square_rates.items())
-        )
-        + " (larger sizes at the largest square's rate: out of cache, memory bound);",
-        f"- QR of a tall matrix (m >= 11/6 n, then its n x n R bidiagonalized): "
-        f"{costs.model.qr_rate / 1e9:.1f} GFLOP/s (median over the tall shapes);",
-        f"- a wide matrix is bidiagonalized directly: {costs.model.wide_rate / 1e9:.1f} GFLOP/s "
-        "(median over the wide shapes);",
-        "- measured / modelled over the measured shapes: "
-        + ", ".join(
-            f"{m} x {n} {e:.2f}"
-            for (m, n, _), e in zip(costs.model.points, costs.model.errors(), strict=True)
-        )
-        + ".",
         "",
         "## Assumed step times",
         "",
@@ -682,28 +746,18 @@ def render(
         "",
         "## Control matrices (what one costs, in the order the agent takes them)",
         "",
-        "| model | layer | control | shape [out, in] | seconds | source | if transposed "
-        "first (wide only; same values, not implemented) |",
-        "|---|---|---|---|---|---|---|",
+        f"| model | layer | control | shape [out, in] | measured part (control_rows {rows}) "
+        f"| seconds (control_rows {rows}) | seconds, control_rows null | null from |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    names = {
-        "Llama-2-7B": ("v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj"),
-        "Llama-3-70B": ("v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj"),
-    }
     for model in MODELS:
-        groups = [("all", model.controls)]
-        labels = names.get(model.name, ("o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-        if model.moe_controls is not None:
-            groups = [(f"dense (0-{model.first_moe - 1})", model.controls)]
-            groups.append((f"MoE ({model.first_moe}-{model.layers - 1})", model.moe_controls))
-        for where, shapes in groups:
-            moe = where.startswith("MoE")
+        for where, shapes in _control_groups(model):
             for i, shape in enumerate(shapes):
-                label = labels[i] if not moe or i == 0 else "shared_experts." + labels[i][4:]
                 lines.append(
-                    f"| {model.name} | {where} | {i + 1}. {label} | {shape[0]} x {shape[1]} | "
-                    f"{_s(costs.seconds(shape))} | {costs.source(shape)} | "
-                    f"{_s(costs.transposed(shape)) if shape[0] < shape[1] else ''} |"
+                    f"| {model.name} | {where} | {i + 1}. {_control_label(model, where, i)} | "
+                    f"{_shape(shape)} | {_shape(costs.part(shape))} | "
+                    f"{_s(costs.seconds(shape))} | {_s(whole.seconds(shape))} | "
+                    f"{whole.source(shape)} |"
                 )
     lines += [
         "",
@@ -712,24 +766,24 @@ def render(
         "Total: all the work in one process (world 1). Slowest rank: spread over the job's "
         "GPUs as `agent/distributed/assignment.py` does (mean over evaluations of the busiest "
         "rank; a layer's controls all land on one rank). % of step: the slowest rank's work "
-        "per step at delta 25.",
+        f"per step at delta 25. The default is controls 4, control_rows {rows}.",
         "",
-        "| model | controls | QK, total | controls, total | total | even spread (total / "
-        "GPUs) | slowest rank | % of step (delta 25) | snapshot memory (fp32, world 1) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | controls | control_rows | QK, total | controls, total | total | even spread "
+        "(total / GPUs) | slowest rank | % of step (delta 25) | snapshot memory (fp32, world 1) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    summary = {}
+    summary: dict[tuple[str, int, int | None], Work] = {}
     for model in MODELS:
         head = heads[model.kind]
-        for c in (0, 4):
+        for c, ctl in ((0, costs), (4, costs), (4, whole)):
             s = Settings(25, None, None, c)
-            work = evaluation_work(model, head, costs, s)
-            summary[(model.name, c)] = work
+            work = evaluation_work(model, head, ctl, s)
+            summary[(model.name, c, ctl.rows)] = work
             lines.append(
-                f"| {model.name} | {c} | {_s(work.qk_total)} | {_s(work.controls_total)} | "
-                f"{_s(work.total)} | {_s(work.total / model.step.gpus)} | "
-                f"{_s(work.slowest_rank)} | {_pct(fraction(work, model, 25))} "
-                f"| {_gib(snapshot_bytes(model, s))} |"
+                f"| {model.name} | {c} | {_rows(ctl.rows) if c else '-'} | {_s(work.qk_total)} "
+                f"| {_s(work.controls_total)} | {_s(work.total)} | "
+                f"{_s(work.total / model.step.gpus)} | {_s(work.slowest_rank)} | "
+                f"{_pct(fraction(work, model, 25))} | {_gib(snapshot_bytes(model, s, ctl.rows))} |"
             )
     lines += [
         "",
@@ -744,15 +798,15 @@ def render(
         "measured every | every layer every | snapshot memory (world 1) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    choices = {}
+    choices: dict[tuple[str, bool, int | None], Choice | None] = {}
     for model in MODELS:
         head = heads[model.kind]
-        for with_controls in (False, True):
-            choice = recommend(model, head, costs, with_controls)
-            choices[(model.name, with_controls)] = choice
-            what = "at least 1" if with_controls else "none"
+        for with_controls, ctl in ((False, costs), (True, costs), (True, whole)):
+            choice = recommend(model, head, ctl, with_controls)
+            choices[(model.name, with_controls, ctl.rows)] = choice
+            what = f"at least 1, control_rows {_rows(ctl.rows)}" if with_controls else "none"
             if choice is None:
-                one = min(control_seconds(model, costs, layer, 1) for layer in range(model.layers))
+                one = min(control_seconds(model, ctl, layer, 1) for layer in range(model.layers))
                 lines.append(
                     f"| {model.name} | {what} | none fits up to delta {DELTAS[-1]}: the first "
                     f"control alone costs {_s(one)} on one rank, over the budget of "
@@ -761,12 +815,13 @@ def render(
                 continue
             s = choice.settings
             lines.append(
-                f"| {model.name} | {what} | {s.describe(model)} | {_s(choice.work.slowest_rank)} "
-                f"| {_pct(fraction(choice.work, model, s.delta))} | "
-                f"{choice.head_period(model):,} steps | {choice.layer_period(model):,} steps | "
-                f"{_gib(snapshot_bytes(model, s))} |"
+                f"| {model.name} | {what} | {s.describe(model, ctl.rows)} | "
+                f"{_s(choice.work.slowest_rank)} | {_pct(fraction(choice.work, model, s.delta))} "
+                f"| {choice.head_period(model):,} steps | {choice.layer_period(model):,} steps | "
+                f"{_gib(snapshot_bytes(model, s, ctl.rows))} |"
             )
-    lines += ["", *router_lines(router), "", *conclusions(summary, choices, costs)]
+    lines += ["", *router_lines(router), ""]
+    lines += conclusions(heads, summary, choices, costs, whole, now)
     return lines
 
 
@@ -792,93 +847,226 @@ def router_lines(router: RouterCost) -> list[str]:
 
 
 def conclusions(
-    summary: dict[tuple[str, int], Work],
-    choices: dict[tuple[str, bool], Choice | None],
+    heads: dict[str, HeadCost],
+    summary: dict[tuple[str, int, int | None], Work],
+    choices: dict[tuple[str, bool, int | None], Choice | None],
     costs: ControlCosts,
+    whole: ControlCosts,
+    now: dict[tuple[int, int], float],
 ) -> list[str]:
+    rows = _rows(costs.rows)
     lines = ["## What this says", ""]
     for model in MODELS:
-        work = summary[(model.name, 4)]
-        ratio = work.controls_total / work.qk_total
+        qk = summary[(model.name, 0, costs.rows)]
+        work = summary[(model.name, 4, costs.rows)]
+        null = summary[(model.name, 4, None)]
+        lag = APPLY_LAG * model.step.seconds
         lines.append(
-            f"- {model.name}: with the default 4 controls per layer, the controls are "
-            f"{ratio:.0f}x the QK work of an evaluation ({_s(work.controls_total)} against "
-            f"{_s(work.qk_total)} in one process); the default settings (every layer and head, "
-            f"4 controls, delta 25) take {_pct(fraction(work, model, 25))} of the step time on "
-            f"the slowest of {model.step.gpus} ranks"
+            f"- {model.name}: the default settings (every layer and head, 4 controls on their "
+            f"first {rows} rows, delta 25) take {_pct(fraction(work, model, 25))} of the step "
+            f"time on the slowest of {model.step.gpus} ranks ({_s(work.slowest_rank)} per "
+            f"evaluation; {_pct(fraction(qk, model, 25))} without controls); in one process "
+            f"the controls are {_s(work.controls_total)} of {_s(work.total)} "
+            f"({100 * work.controls_total / work.total:.0f}%). Its worst evaluation on one rank "
+            f"({_s(work.worst_rank)}) "
             + (
-                f", and its worst evaluation ({_s(work.worst_rank)}) exceeds apply_lag x step "
-                f"({_s(APPLY_LAG * model.step.seconds)}): training would wait for it (up to "
+                f"exceeds apply_lag x step ({_s(lag)}): training would wait for it (up to "
                 "scheduling.max_wait_s, 120 s, per job; then the result is dropped)."
-                if work.worst_rank > APPLY_LAG * model.step.seconds
+                if work.worst_rank > lag
+                else f"stays within apply_lag x step ({_s(lag)})."
+            )
+            + f" With control_rows: null: {_pct(fraction(null, model, 25))} of the step, "
+            f"controls {_s(null.controls_total)} in one process"
+            + (
+                f", worst evaluation {_s(null.worst_rank)} over apply_lag x step."
+                if null.worst_rank > lag
                 else "."
             )
         )
-    dominated = all(
-        summary[(m.name, 4)].controls_total > summary[(m.name, 4)].qk_total for m in MODELS
+    dominated = [
+        m.name
+        for m in MODELS
+        if summary[(m.name, 4, costs.rows)].controls_total
+        > summary[(m.name, 4, costs.rows)].qk_total
+    ]
+    dominated_null = [
+        m.name
+        for m in MODELS
+        if summary[(m.name, 4, None)].controls_total > summary[(m.name, 4, None)].qk_total
+    ]
+    per_layer = "; ".join(
+        f"{m.name} {_s(control_seconds(m, costs, m.layers - 1, 4))} for 4 controls against "
+        f"{_s(heads[m.kind].job(m.heads))} for the {m.heads} QK heads"
+        for m in MODELS
     )
+    added = "; ".join(
+        f"{m.name} {_s(summary[(m.name, 0, costs.rows)].slowest_rank)} -> "
+        f"{_s(summary[(m.name, 4, costs.rows)].slowest_rank)}"
+        for m in MODELS
+    )
+    if not dominated:
+        verdict = (
+            "The control matrices no longer dominate the monitor cost at any scale here"
+            + (
+                f" (with whole matrices they do: {', '.join(dominated_null)})"
+                if dominated_null
+                else ""
+            )
+            + f": measured on its first {rows} rows, a control is an SVD of a (in x {rows}) "
+            f"block, O(in {rows}^2), instead of O(d^3) for a whole d x d matrix. Per layer (the "
+            f"last one): {per_layer}."
+        )
+    else:
+        verdict = (
+            f"The control matrices still dominate the monitor cost in one process for "
+            f"{', '.join(dominated)} (of {len(MODELS)} models). Per layer (the last one): "
+            f"{per_layer}."
+        )
     lines += [
         "",
-        "- The control matrices "
-        + ("dominate the monitor cost at every scale here" if dominated else "do not dominate")
-        + ": each is a full SVD of a d x d or d x d_ff update (O(d^3)), while a QK head costs "
-        "O(d d_h^2). Sampling heads does not reduce them (controls follow the layers), and on "
-        "a distributed job all of a layer's controls land on one rank, so the slowest rank "
-        "carries a whole layer's controls however many GPUs there are.",
-        "- The order of the controls matters: with GQA the first control (v_proj, "
-        "[H_kv d_h, d]) is cheap; for DeepSeek-V3 the first is o_proj [7168, 16384], the "
-        "costliest matrix of an MoE layer.",
+        f"- {verdict} On a distributed job a layer's controls still land on one rank; with "
+        "every layer and head at delta 25 they move the slowest rank (controls 0 -> 4): "
+        f"{added}.",
     ]
+    same_part: dict[tuple[int, int], list[float]] = {}
+    for shape in real_control_shapes():
+        if costs.source(shape) == "measured now":
+            same_part.setdefault(costs.part(shape), []).append(costs.seconds(shape))
+    spread = [max(v) / min(v) for v in same_part.values() if len(v) > 1]
+    blocks = sorted(same_part.items(), key=lambda kv: kv[0][1])
+    medians = [statistics.median(v) for _, v in blocks]
+    per_column = [t / part[1] for (part, _), t in zip(blocks, medians, strict=True)]
+    groups = [(m, where, shapes) for m in MODELS for where, shapes in _control_groups(m)]
+
+    def span(ctl: ControlCosts, shapes: tuple[tuple[int, int], ...]) -> float:
+        values = [ctl.seconds(x) for x in shapes]
+        return max(values) / min(values)
+
+    first = [  # the first control taken costs (within 10% of) the layer's most
+        f"{m.name} {where}"
+        for m, where, shapes in groups
+        if span(costs, shapes) > 1.5
+        and costs.seconds(shapes[0]) >= 0.9 * max(costs.seconds(x) for x in shapes)
+    ]
+    lines.append(
+        f"- The measured {rows}-row blocks cost "
+        + ", ".join(
+            f"{_s(t)} at {_shape(part)}" for (part, _), t in zip(blocks, medians, strict=True)
+        )
+        + f": {1e6 * min(per_column):.0f}-{1e6 * max(per_column):.0f} us per input column"
+        + (
+            f"; real shapes with the same block within {max(spread):.2f}x of each other."
+            if spread
+            else "."
+        )
+        + " Costliest / cheapest control of a layer, with control_rows "
+        f"{rows} (null): "
+        + "; ".join(
+            f"{m.name} {where} {span(costs, shapes):.1f}x ({span(whole, shapes):.1f}x)"
+            for m, where, shapes in groups
+        )
+        + (
+            f". The first control taken is (within 10% of) the layer's costliest in: "
+            f"{', '.join(first)}."
+            if first
+            else "."
+        )
+    )
     for model in MODELS:
-        choice = choices[(model.name, False)]
+        choice = choices[(model.name, False, costs.rows)]
         s = None if choice is None else choice.settings
         full = s is not None and s.delta == 25 and s.layers_per_eval == model.layers
         full = full and s is not None and s.heads_per_layer == model.heads
+        with_ctl = choices[(model.name, True, costs.rows)]
         lines.append(
             f"- {model.name}, QK monitors alone (controls 0): "
             + (
                 "every layer and head at delta 25 fits the budget once spread over the ranks "
-                f"({_pct(fraction(choice.work, model, 25))} of the step)."
+                f"({_pct(fraction(choice.work, model, 25))} of the step)"
                 if full and choice is not None
                 else f"{'no setting fits' if s is None else s.describe(model)} (every layer "
-                f"and head at delta 25: {_pct(fraction(summary[(model.name, 0)], model, 25))} "
-                "of the step on the slowest rank)."
+                f"and head at delta 25: "
+                f"{_pct(fraction(summary[(model.name, 0, costs.rows)], model, 25))} "
+                "of the step on the slowest rank)"
+            )
+            + "; with controls: "
+            + (
+                "none fits"
+                if with_ctl is None
+                else f"{with_ctl.settings.describe(model, costs.rows)}"
+            )
+            + "."
+        )
+    moved = [
+        f"{_shape(shape)} {t:.2f} s against {WIDE_9AD304B[shape]:.2f} s"
+        for shape, t in now.items()
+        if shape in WIDE_9AD304B
+    ]
+    anchor = now.get((4096, 4096))
+    concentrated = [
+        m.name
+        for m in MODELS
+        if fraction(summary[(m.name, 0, costs.rows)], m, 25) > BUDGET
+        and summary[(m.name, 0, costs.rows)].total / m.step.gpus <= BUDGET * 25 * m.step.seconds
+    ]
+    lines += [
+        f"- Wide differences are transposed before `svdvals` now (same values): whole wide "
+        f"matrices measured now against 9ad304b's table (not transposed then): "
+        f"{'; '.join(moved)}. CPU only: a GPU library may behave otherwise.",
+    ]
+    if anchor is not None:
+        ratio = anchor / WHOLE_9AD304B[(4096, 4096)][0]
+        lines.append(
+            f"- The whole-matrix numbers reused from 9ad304b: a whole 4096 x 4096 (the same "
+            f"path then and now) took {anchor:.2f} s now against "
+            f"{WHOLE_9AD304B[(4096, 4096)][0]:.2f} s then ({ratio:.2f}x)"
+            + (
+                "; the reused numbers should be within about that of what this machine gives now."
+                if 0.8 <= ratio <= 1.25
+                else "; the machine's state differs from then: the reused numbers may be off "
+                "by about that factor."
             )
         )
     lines += [
         "- Not measured: the GPU. Snapshots live next to the weights by default, so the "
         "monitors run on the device beside training; how much faster the QR-based QK path and "
-        "the controls' full SVDs are there is unknown, so the controls' share on a GPU is "
-        "unknown too (`benchmarks/gpu.py` times one layer's controls on a GPU).",
+        "the controls' SVDs are there is unknown (`benchmarks/gpu.py` times the agent's "
+        "default path, controls included, on a GPU; not run).",
         "- The spread over ranks is uneven: query head h of layer i goes to rank (i + h) % "
         "world and every layer's head window starts at the same offset, so one evaluation "
         "puts up to min(layers_per_eval, heads_per_layer) heads on one rank however many "
         "ranks there are. QK work of one evaluation with every layer and head, slowest rank "
         "against an even spread: "
         + "; ".join(
-            f"{m.name} {_s(summary[(m.name, 0)].slowest_rank)} against "
-            f"{_s(summary[(m.name, 0)].total / m.step.gpus)}"
+            f"{m.name} {_s(summary[(m.name, 0, costs.rows)].slowest_rank)} against "
+            f"{_s(summary[(m.name, 0, costs.rows)].total / m.step.gpus)} ("
+            f"{_pct(fraction(summary[(m.name, 0, costs.rows)], m, 25))} against "
+            f"{_pct(summary[(m.name, 0, costs.rows)].total / m.step.gpus / (25 * m.step.seconds))}"
+            " of the step at delta 25)"
             for m in MODELS
         )
-        + ".",
-        "- Wide control matrices ([out, in] with out < in: GQA v_proj, o_proj of MLA, a shared "
-        "expert's gate/up) cost MKL several times their transpose ("
-        + ", ".join(
-            f"{n} x {m}: {t / costs.measured[(m, n)]:.1f}x {m} x {n}"
-            for (n, m), t in costs.measured.items()
-            if n < m and (m, n) in costs.measured
-        )
-        + "); transposing them before `svdvals` would give the same values (not implemented; "
-        "CPU only: a GPU library may behave otherwise).",
+        + "."
+        + (
+            " Where every layer and head at delta 25 is over the budget, it is this "
+            "concentration, not the total work: "
+            + ", ".join(concentrated)
+            + " would fit with an even spread."
+            if concentrated
+            else ""
+        ),
         "- Snapshot memory is that of one process (where the snapshots live: next to the "
-        "weights by default, i.e. on the GPU); a distributed rank holds only its heads' Q/K "
-        "rows (all of an MLA layer's latent stage) and the controls of the layers it owns.",
+        "weights by default, i.e. on the GPU); only the measured part of a control matrix is "
+        "copied, so with every layer the 4 controls add "
+        + "; ".join(
+            f"{m.name} {_gib(_control_bytes(m, costs.rows))} (whole: "
+            f"{_gib(_control_bytes(m, None))})"
+            for m in MODELS
+        )
+        + ". A distributed rank holds only its heads' Q/K rows (all of an MLA layer's latent "
+        "stage) and the controls of the layers it owns.",
         "- Assumed: every rank can measure any layer (DDP / FSDP, as "
         "`agent/distributed/assignment.py` spreads the work); pipeline parallelism is not "
         "covered by the agent.",
-        "- What would make controls affordable (not implemented, not measured): the update "
-        "spectrum of a per-head slice of v_proj / o_proj ((d, d_h), like dW_q: the cost of a "
-        "QK head) instead of the whole matrix, or controls ordered cheapest first.",
     ]
     return lines
 
@@ -902,9 +1090,11 @@ def main(argv: list[str] | None = None) -> int:
     assert router_shape is not None
     router = measure_router(router_shape, DEEPSEEK_V3.d)
     print(f"  router probe: {router.hook_s:.3f} s per forward", flush=True)
-    costs = measure_controls()
+    costs, whole = measure_controls(CONTROL_ROWS)
+    now = {shape: whole.seconds(shape) for shape in WHOLE_NOW}
     load = (load_start, os.getloadavg()[0])
-    text = "\n".join(render(heads, costs, router, time.perf_counter() - t0, load)) + "\n"
+    lines = render(heads, costs, whole, now, router, time.perf_counter() - t0, load)
+    text = "\n".join(lines) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

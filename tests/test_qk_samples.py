@@ -109,3 +109,29 @@ def test_large_controls_are_measured_on_their_first_rows(shape, measured) -> Non
     assert got[m.CONTROL_UPDATE_ENTROPY] == pytest.approx(float(ref.entropy), rel=2e-5)
     size = float(torch.linalg.matrix_norm(diff) / torch.linalg.matrix_norm(w0[:rows]))
     assert got[m.CONTROL_UPDATE_REL_NORM] == pytest.approx(size, rel=2e-5)
+
+
+def test_snapshot_buffers_are_reused_once_their_jobs_finished() -> None:
+    """After a warm-up, a snapshot is a copy into a buffer a finished job gave back: the same
+    storage, never one still read by a job or kept as a layer's previous snapshot."""
+    torch.manual_seed(2)
+    model = nn.Module()
+    model.attn = _Attention(24, 3, 4)
+    (site,) = find_attention(model)
+    snaps = QKSnapshots([site], delta=1)
+    pointers: list[set[int]] = []
+    for step in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-2 * torch.randn_like(p))
+        jobs = snaps.on_step(step)
+        held = {t.data_ptr() for snap in snaps._previous.values() for t in snap.values()}
+        for job in jobs:
+            live = {t.data_ptr() for t in job.current.values()}
+            assert not live & {t.data_ptr() for t in job.previous.values()}
+            compute_qk_samples(job)
+            snaps.buffers.finished(job)
+        pointers.append(held)
+    # two snapshots alive at a time (previous and current): two buffers per parameter in turn
+    assert pointers[2] == pointers[4] and pointers[3] == pointers[5]
+    assert pointers[2] != pointers[3]

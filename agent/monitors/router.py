@@ -179,8 +179,10 @@ def routing_sums(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     kth, second = _kth_largest(p, top_k)  # (F, 1, N) each
     margin = (1.0 / total.squeeze(1) - second.squeeze(1)).mean(dim=-1)  # p_top1 = 1 / total
     above, tied = p > kth, p == kth  # (F, E, N)
-    share = (top_k - above.sum(dim=1, keepdim=True)).to(p.dtype) / tied.sum(dim=1, keepdim=True)
-    assigned = above.sum(dim=(0, 2)) + (tied * share).sum(dim=(0, 2))  # (E,)
+    n_above = above.sum(dim=1, keepdim=True, dtype=torch.int32)  # (F, 1, N)
+    n_tied = tied.sum(dim=1, keepdim=True, dtype=torch.int32)
+    share = (top_k - n_above).to(p.dtype) / n_tied  # each tied expert's part of what is left
+    assigned = above.sum(dim=(0, 2), dtype=torch.int64) + (tied * share).sum(dim=(0, 2))  # (E,)
     forwards = torch.full((), f, dtype=z.dtype, device=z.device)
     row = torch.stack(
         [
@@ -195,18 +197,19 @@ def routing_sums(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
 
 
 def _kth_largest(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k-th and 2nd largest value over the experts of p (F, E, N), counting
-    repeated values: (F, 1, N) each. k + 1 passes of one max over the experts."""
-    remaining = p.clone()
-    found = torch.zeros_like(p[:, :1])  # (F, 1, N) how many values are >= the current one
+    """Each token's k-th and 2nd largest value over the experts of p (F, E, N), p >= 0,
+    counting repeated values: (F, 1, N) each. max(k, 2) passes of one max over the experts;
+    the values found are zeroed (p >= 0: they drop to the bottom) instead of masked, and the
+    counts are int32 sums (both several times faster on a CPU than masked_fill / int64)."""
+    remaining = p
+    found = torch.zeros_like(p[:, :1], dtype=torch.int32)  # (F, 1, N) values >= the current
     kth = second = None
     for _ in range(max(k, 2)):
         value = remaining.amax(dim=1, keepdim=True)  # the next distinct value, (F, 1, N)
-        at_least = (p >= value).sum(dim=1, keepdim=True).to(p.dtype)
         kth = value if kth is None else torch.where(found >= k, kth, value)
         second = value if second is None else torch.where(found >= 2, second, value)
-        found = at_least
-        remaining.masked_fill_(remaining >= value, -math.inf)
+        found = (p >= value).sum(dim=1, keepdim=True, dtype=torch.int32)
+        remaining = remaining * (remaining < value)
     assert kth is not None and second is not None
     return kth, second
 
