@@ -37,8 +37,9 @@ from agent import samples as m
 from agent.costs import Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import find_controls
-from agent.probes import QKJob, QKSnapshots, RouterProbe, compute_qk_samples
+from agent.probes import QKJob, QKSnapshots, compute_qk_samples
 from agent.router_buffer import HandedBatch
+from agent.router_probe import RouterProbe
 from agent.samples import Sample
 from agent.step_inputs import Scalar
 

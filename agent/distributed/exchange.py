@@ -37,7 +37,7 @@ import torch
 
 from agent import samples as m
 from agent.discovery import RouterSite
-from agent.probes import router_samples
+from agent.router_probe import router_samples
 from agent.samples import Sample
 from agent.step_inputs import Scalar
 

@@ -1,0 +1,250 @@
+"""The router probe: how the agent measures MoE routers without slowing the forward.
+
+A forward pre-hook per router computes the routing logits from the router's own input
+(z = x W^T + b) into a device buffer (``agent.router_buffer``) that is reduced *on the device*,
+a batch of forwards at a time, to a few running sums (entropy, p10, margin, expert load);
+nothing is copied to the host. ``read()`` turns the sums into samples with one host transfer
+for all routers, every ``router_every`` steps, and names (once) every router that has produced
+no data.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+
+from agent import samples as m
+from agent.costs import Costs
+from agent.discovery import RouterSite
+from agent.monitors import router_conditioning_ratio, router_similarity
+from agent.monitors.router import ROUTING_SUM_FIELDS
+from agent.router_buffer import HandedBatch, RouterLogitBuffer
+from agent.router_output import router_input
+from agent.samples import Sample
+
+# Running sums kept per router (``ROUTING_SUM_FIELDS``): entropy mean, normalized entropy, p10,
+# margin, number of forwards counted.
+_ROUTER_SUMS = len(ROUTING_SUM_FIELDS)
+
+
+class RouterProbe:
+    """Device-side routing statistics for every discovered router.
+
+    The logits are computed in the hooks from the router's input and weight, z = x W^T + b,
+    never guessed from what the router returns (Llama 4 returns sigmoid scores first). A
+    forward pre-hook on the router module does it; when the weight is applied by the router's
+    parent (``RouterSite.owner``, e.g. ``F.linear(x, self.classifier.weight)``), the parent is
+    hooked too and uses its own input whenever the router module was not called during its
+    forward. Only training-mode forwards count.
+    """
+
+    def __init__(
+        self, sites: list[RouterSite], default_top_k: int = 1, costs: Costs | None = None
+    ) -> None:
+        self.sites = sites
+        self.hook_seconds = 0.0  # wall seconds in the hooks (training thread only)
+        if costs is not None:
+            costs.source("router hooks", lambda: self.hook_seconds)
+        self.default_top_k = default_top_k
+        for site in sites:
+            top_k = site.top_k or default_top_k
+            if not 1 <= top_k <= site.num_experts:
+                raise ValueError(
+                    f"router {site.name}: top_k must be in [1, {site.num_experts}], got {top_k}"
+                )
+        self._buffers = [
+            RouterLogitBuffer(site.num_experts, site.top_k or default_top_k) for site in sites
+        ]
+        self._seen = [False] * len(sites)  # the router produced data at least once
+        self._called = [False] * len(sites)  # router module called in its owner's forward
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._checked = False  # the first read-out named the routers without data
+        self._capture: dict[int, int] = {}  # router index -> step of the stats to capture
+        self._captured: dict[int, tuple[int, torch.Tensor]] = {}  # -> (step, (2,) stats)
+        self.errors: list[str] = []
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for i, site in enumerate(self.sites):
+            hook = self._router_hook(i, site)
+            self._handles.append(site.module.register_forward_pre_hook(hook, with_kwargs=True))
+            if site.owner is not None:
+                self._handles += [
+                    site.owner.register_forward_pre_hook(self._owner_enter(i)),
+                    site.owner.register_forward_hook(self._owner_exit(i, site), with_kwargs=True),
+                ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _router_hook(self, index: int, site: RouterSite):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            self._called[index] = True
+            if module.training:  # evaluation passes would mix another distribution in
+                self._record(index, site, args, kwargs)
+
+        return hook
+
+    def _owner_enter(self, index: int):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            self._called[index] = False
+
+        return hook
+
+    def _owner_exit(self, index: int, site: RouterSite):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if not self._called[index] and module.training:
+                self._record(index, site, args, kwargs)
+
+        return hook
+
+    def _record(self, index: int, site: RouterSite, args: tuple, kwargs: dict) -> None:
+        """Buffer one forward's z = x W^T + b (on the device; reduced in batches). Runs in
+        every training forward: detached tensors (no autograd context needed), few calls."""
+        start = time.perf_counter()
+        try:
+            x = router_input(args, kwargs, site.d_model)  # (..., d)
+            if x is None or x.numel() == 0:
+                return
+            self._buffers[index].add(
+                x.detach().reshape(-1, x.shape[-1]), site.weight().detach(), _detached(site.bias())
+            )
+            self._seen[index] = True
+            if self._capture and index in self._capture:  # the weight is whole in the forward
+                self._captured[index] = (self._capture.pop(index), self.weight_stats(index))
+        except Exception as exc:  # never break the user's forward
+            if len(self.errors) < 10:
+                self.errors.append(f"router probe {site.name}: {exc!r}")
+        finally:
+            self.hook_seconds += time.perf_counter() - start
+
+    def _name_silent_routers(self) -> None:
+        """Once, at the first read-out: warn about every router that produced no data."""
+        self._checked = True
+        pairs = zip(self.sites, self._seen, strict=True)
+        silent = [site.name for site, seen in pairs if not seen]
+        if not silent:
+            return
+        message = (
+            f"mechwatch router probe: no routing data from {', '.join(silent)} by the first "
+            "read-out: the router module was never called in a training forward with an input "
+            "of its width (a router applied functionally by a module other than its parent, or "
+            "never run); its router metrics stay empty"
+        )
+        warnings.warn(message, stacklevel=3)
+        self.errors.append(message)
+
+    def take(self, index: int) -> torch.Tensor | None:
+        """Router ``index``'s sums since the last read-out, (5 + E,) on the device: the
+        ``_ROUTER_SUMS`` running sums, then the summed load fractions (None: no data yet).
+        Resets them."""
+        try:
+            return self._buffers[index].take()
+        except Exception as exc:  # a batch that cannot be reduced is dropped, never raised
+            self._buffers[index].reset()
+            if len(self.errors) < 10:
+                self.errors.append(f"router probe {self.sites[index].name}: {exc!r}")
+            return None
+
+    def reset(self) -> None:
+        """Drop what the hooks buffered (the run continues from another state)."""
+        for buffer in self._buffers:
+            buffer.reset()
+
+    def weight_stats(self, index: int) -> torch.Tensor:
+        """(2,) on the device: the conditioning ratio and the expert similarity of router
+        ``index``'s weight as it is now (the whole [E, d] weight)."""
+        weight = self.sites[index].weight().detach()
+        eps = router_conditioning_ratio(weight).reshape(1)
+        sim = router_similarity(weight).reshape(1)
+        return torch.cat([eps, sim])
+
+    def capture_weight_stats(self, index: int, step: int) -> None:
+        """Compute ``weight_stats(index)`` in the next training forward, where a sharded
+        weight (FSDP2) is whole, and keep it as the stats of ``step`` (``take_captured``)."""
+        self._capture[index] = step
+
+    def take_captured(self, index: int) -> tuple[int, torch.Tensor] | None:
+        """(step, (2,) stats) captured since the last call, or None."""
+        return self._captured.pop(index, None)
+
+    def check_silent(self) -> None:
+        """At the first read-out: name (once) every router that has produced no data."""
+        if not self._checked:
+            self._name_silent_routers()
+
+    def hand_over(self) -> list[HandedBatch]:
+        """Every router's forwards since its last take or hand-over, to reduce on the monitor
+        thread (``HandedBatch.reduce``); the hooks go on in each router's spare buffer."""
+        return [buffer.hand_over() for buffer in self._buffers]
+
+    def recycle(self, batches: list[HandedBatch]) -> None:
+        """The handed batches were reduced: their buffers may take forwards again."""
+        for buffer, batch in zip(self._buffers, batches, strict=True):
+            buffer.recycle(batch)
+
+    def read(self, step: int, rows: list[torch.Tensor | None] | None = None) -> list[Sample]:
+        """Samples of read-out ``step`` (one host transfer): from ``rows`` (per router, the
+        reduced sums of a hand-over, ``HandedBatch.reduce``) or, when None, from everything
+        buffered since the last read (``take``)."""
+        self.check_silent()
+        if rows is None:
+            rows = [self.take(i) for i in range(len(self.sites))]
+        host_rows, names = [], []
+        for i, (site, row) in enumerate(zip(self.sites, rows, strict=True)):
+            if row is None:
+                continue
+            stats = self.weight_stats(i)
+            host_rows.append(torch.cat([row.to(stats.device, stats.dtype), stats]))
+            names.append(site)
+        if not host_rows:
+            return []
+        host = [r.cpu().tolist() for r in host_rows]  # the one synchronization of this read
+        out: list[Sample] = []
+        for site, values in zip(names, host, strict=True):
+            out += router_samples(step, site, values[:-2], (step, values[-2], values[-1]))
+        return out
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def router_samples(
+    step: int,
+    site: RouterSite,
+    sums: list[float],
+    stats: tuple[int, float, float] | None,
+) -> list[Sample]:
+    """One router's samples at read-out ``step`` from its sums (``RouterProbe.take``: the
+    running sums, then the summed load) and its weight stats ``(step, eps, similarity)``
+    (None: none this time); nothing when no forward was counted."""
+    n = sums[_ROUTER_SUMS - 1]
+    if n <= 0:
+        return []
+    e = site.num_experts
+    load = [x / n for x in sums[_ROUTER_SUMS : _ROUTER_SUMS + e]]
+    load_entropy = -sum(x * math.log(x) for x in load if x > 0)
+    lab = {"router": site.name}
+    out = [
+        Sample.make(step, m.ROUTER_ENTROPY, sums[0] / n, **lab),
+        Sample.make(step, m.ROUTER_ENTROPY_NORM, sums[1] / n, **lab),
+        Sample.make(step, m.ROUTER_ENTROPY_P10, sums[2] / n, **lab),
+        Sample.make(step, m.ROUTER_MARGIN, sums[3] / n, **lab),
+        Sample.make(step, m.ROUTER_LOAD_MAX, max(load), **lab),
+        Sample.make(step, m.ROUTER_LOAD_ENTROPY, load_entropy, **lab),
+        Sample.make(step, m.ROUTER_DEAD_EXPERTS, sum(1 for x in load if x == 0), **lab),
+    ]
+    if stats is not None:
+        at, eps, sim = stats
+        out += [
+            Sample.make(at, m.ROUTER_EPS, eps, **lab),
+            Sample.make(at, m.ROUTER_SIMILARITY, sim, **lab),
+        ]
+    return out
