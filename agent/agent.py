@@ -173,7 +173,11 @@ class Agent:
             )
             if sites
         }
-        self.attributor = Attributor(self.context, monitored_families=monitored)
+        self.attributor = Attributor(
+            self.context,
+            monitored_families=monitored,
+            symptom_wait=config.notify.symptom_wait_steps,
+        )
         self.hparams = HyperparameterRequests()
         self.checkpoints = (
             checkpoints

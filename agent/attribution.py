@@ -20,6 +20,11 @@ drift well before the collapse)
   after the loss damage began (a loss spike, rise or non-finite loss): the attention fault
   has damaged the run, and a router collapse that only then begins is its downstream effect
   (the onset here, so that two mechanisms that began before the damage stay ``combined``), or
+- when it began (its onset) after the loss jumped (a loss alert of an abrupt detector, a
+  z-score spike: ``Detector.abrupt``): a mechanism fault that writes a bias into the weights
+  step after step moves the loss gradually and after the mechanism, never in one jump before
+  it; a jump comes from outside (a data shift, a bad batch, a schedule change), and the
+  collapse that follows is the model relearning, or
 - at least ``consequence_lag`` steps (default 100) after the loss damage began, whatever
   else the incident holds: damage needs time to feed back into a mechanism, and a collapse
   that starts with the loss change is as likely its cause as its effect (a smaller batch
@@ -29,6 +34,14 @@ So a QK collapse while the model relearns after a data shift leaves the incident
 ``unattributed``, and a router collapse that follows the damage of an attention fault leaves
 it ``fa_precision`` (``combined`` means both mechanisms started on their own). Evidence of a
 family that is already a cause of the incident is a cause too.
+
+Symptom wait (Alertmanager's ``group_wait``): a new incident whose evidence is only symptoms
+below ``critical`` (a loss rise or spike, a gradient-norm spike) is held ``symptom_wait`` steps
+(``notify.symptom_wait_steps``, default 50: two read-outs of the mechanism monitors at their
+default cadence) before it opens, so that a mechanism alert that follows names the fault in the
+first page instead of an ``unattributed`` one (a smaller batch makes the gradient norm jump 45
+steps before the router collapse fires). While held, nothing is paged and no action runs;
+critical symptoms (a non-finite loss, a hung run) and any mechanism evidence open at once.
 
 Confidence (documented heuristic, in [0, 1]): a mechanism family starts at 0.6, gains 0.1 per
 further distinct firing rule of that family (at most +0.2), 0.1 when the other mechanism family
@@ -93,13 +106,16 @@ def _causes(evidence: Any) -> set[str]:
     return {e.family for e in evidence if not e.consequence}
 
 
-def _systemic_onset(evidence: list[Evidence], metrics: frozenset[str]) -> int | None:
+def _systemic_onset(
+    evidence: list[Evidence], metrics: frozenset[str], abrupt_only: bool = False
+) -> int | None:
     """When the incident's systemic change of one kind began: the earliest onset (else firing
-    step) of its symptom evidence on ``metrics``; None without any."""
+    step) of its symptom evidence on ``metrics`` (``abrupt_only``: from jump detectors only);
+    None without any."""
     steps = [
         e.onset_step if e.onset_step is not None else e.fired_step
         for e in evidence
-        if e.family == "symptom" and e.metric in metrics
+        if e.family == "symptom" and e.metric in metrics and (e.abrupt or not abrupt_only)
     ]
     return min(steps, default=None)
 
@@ -114,10 +130,12 @@ def _is_consequence(
     began = e.fired_step
     controls = _systemic_onset(evidence, CONTROL_METRICS)
     loss = _systemic_onset(evidence, LOSS_METRICS)
+    jump = _systemic_onset(evidence, LOSS_METRICS, abrupt_only=True)
     onset = e.onset_step if e.onset_step is not None else began
     other_is_cause = bool(causes & (set(MECHANISM_FAMILIES) - {e.family}))
     return (
         (controls is not None and began >= controls)
+        or (jump is not None and onset > jump)
         or (loss is not None and began >= loss + lag)
         or (loss is not None and other_is_cause and onset >= loss)
     )
@@ -133,9 +151,12 @@ class Attributor:
         monitored_families: set[str] | None = None,
         history: int = 50,
         consequence_lag: int = CONSEQUENCE_LAG,
+        symptom_wait: int = 0,
     ) -> None:
         self.context = context or RunContext()
         self.consequence_lag = consequence_lag
+        self.symptom_wait = symptom_wait
+        self.held_since: int | None = None  # first firing step of held symptom evidence
         self.monitored = set(monitored_families or MECHANISM_FAMILIES)
         self.history = history
         self.open: Incident | None = None
@@ -147,7 +168,13 @@ class Attributor:
     def update(self, step: int, firing: list[Evidence]) -> list[IncidentEvent]:
         """The incident events of one evaluation, from the evidence of every firing alert."""
         if self.open is None:
-            return [self._open(step, firing)] if firing else []
+            if not firing:
+                self.held_since = None
+                return []
+            if self._hold(step, firing):
+                return []
+            self.held_since = None
+            return [self._open(step, firing)]
         incident = self.open
         if not firing:
             incident.status = "resolved"
@@ -169,6 +196,21 @@ class Attributor:
         if new_rules:
             return [self._event("updated", step, "new evidence: " + ", ".join(sorted(new_rules)))]
         return []
+
+    @property
+    def holding(self) -> bool:
+        """Symptom evidence fires and is held before it opens an incident (module docstring)."""
+        return self.open is None and self.held_since is not None
+
+    def _hold(self, step: int, firing: list[Evidence]) -> bool:
+        """Whether ``firing`` (no incident open) waits before it opens one."""
+        if self.symptom_wait <= 0 or any(
+            e.family != "symptom" or e.severity == "critical" for e in firing
+        ):
+            return False
+        if self.held_since is None:
+            self.held_since = min(e.fired_step for e in firing)
+        return step < self.held_since + self.symptom_wait
 
     def causes(self, rule: str) -> bool:
         """Whether ``rule`` is a cause of the open incident (some of its evidence is not a
@@ -260,6 +302,7 @@ class Attributor:
             "closed": [i.to_dict() for i in self.closed],
             "seq": self._seq,
             "count": self._count,
+            "held_since": self.held_since,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,3 +310,5 @@ class Attributor:
         self.closed = [Incident.from_dict(i) for i in state.get("closed", [])]
         self._seq = int(state.get("seq", 0))
         self._count = int(state.get("count", 0))
+        held = state.get("held_since")
+        self.held_since = int(held) if held is not None else None

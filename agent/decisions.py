@@ -49,7 +49,7 @@ def decide(
     engine.store.extend(samples)
     out = Decisions(transitions=engine.evaluate(step, now), problems=engine.take_problems())
     pacing.advance(step)
-    if not out.transitions and attributor.open is None:
+    if not out.transitions and attributor.open is None and not attributor.holding:
         return out
     firing = engine.firing()
     out.events = attributor.update(step, [a.to_evidence() for a in firing])
@@ -63,7 +63,7 @@ def decide(
             pacing.closed(event.incident.id)
         elif event.kind in PAGED_KINDS:
             pacing.paged(event.incident.id, now)
-    if not act:
+    if not act or attributor.holding:  # held symptoms run nothing yet (agent/attribution.py)
         return out
     # Only the causes' actions: a consequence's remedy targets the wrong mechanism.
     requests = [

@@ -34,6 +34,9 @@ class Evidence:
     onset_step: int | None  # detector's estimate of where the departure began
     fired_step: int  # step at which the alert entered "firing"
     trend: str | None = None  # "falling", "rising" or None
+    # the rule's detector fires on jumps only (a z-score spike): on the loss, an abrupt change
+    # of the whole run (agent/attribution.py)
+    abrupt: bool = False
     summary: str = ""
     suggest: str = ""
     # True when this evidence began after the incident had already damaged the loss: a

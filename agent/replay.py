@@ -88,10 +88,12 @@ def replay(
         monitored.add(MECHANISM_FAMILIES[0])
     if start.get("routers"):
         monitored.add(MECHANISM_FAMILIES[1])
+    notify = NotifyConfig()  # the symptom wait and repeat page of the default settings
     attributor = Attributor(
-        RunContext(run_name=start.get("run", "replay")), monitored_families=monitored
+        RunContext(run_name=start.get("run", "replay")),
+        monitored_families=monitored,
+        symptom_wait=notify.symptom_wait_steps,
     )
-    notify = NotifyConfig()  # the repeat page of an agent with the default settings
     pacing = Pacing(
         lambda request: (PacingLimits(), False),  # never asked: replay admits no actions
         repeat_every_steps=notify.repeat_every_steps,

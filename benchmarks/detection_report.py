@@ -128,7 +128,8 @@ def totals(rows: list[dict[str, Any]]) -> list[str]:
     right_first = [r for r in harmful if r["paged_as"] == r["expected"]]
     right_end = [r for r in harmful if r["at_end"] == r["expected"]]
     fa = [r for r in harmful if r["expected"] == "fa_precision"]
-    fa_ahead = [r for r in fa if r["first_mech"] is not None and (r["lead_vs_loss"] or 0) > 0]
+    fa_ahead = [r for r in fa if _ahead_of_loss(r)]
+    no_loss_alarm = [r for r in fa_ahead if r["loss_alarm"] is None]
     shares = [r["lead_share"] for r in fa if r["lead_share"] is not None]
     router = [r for r in harmful if r["expected"] == "router_instability"]
     router_fast = [r for r in router if _caught_within(r, 100)]
@@ -143,7 +144,8 @@ def totals(rows: list[dict[str, Any]]) -> list[str]:
         f"- harmful faults attributed right at the first page: {len(right_first)} of "
         f"{len(harmful)}; at the end of the run: {len(right_end)} of {len(harmful)} [all]",
         f"- harmful FA runs whose first mechanism alert beat every loss detector: "
-        f"{len(fa_ahead)} of {len(fa)} [90%]",
+        f"{len(fa_ahead)} of {len(fa)} [90%] ({len(no_loss_alarm)} of them: no loss detector "
+        "fired in the run)",
         f"- median lead share (divergence - first alert) / (divergence - fault), FA runs that "
         f"diverged: {statistics.median(shares):.2f} over {len(shares)} runs [0.75]"
         if shares
@@ -194,6 +196,14 @@ def silent_phase(rows: list[dict[str, Any]]) -> list[str]:
     lines.append("")
     lines.append("(n): runs with both steps. A negative number: the loss moved first.")
     return lines
+
+
+def _ahead_of_loss(row: dict[str, Any]) -> bool:
+    """A mechanism alert came before every loss detector: earlier than the first loss alarm,
+    or in a run where no loss detector fired at all."""
+    if row["first_mech"] is None:
+        return False
+    return row["loss_alarm"] is None or row["loss_alarm"] > row["first_mech"]
 
 
 def _caught_within(row: dict[str, Any], steps: int) -> bool:

@@ -26,7 +26,9 @@ def _run(scenario: str = "clean", steps: int = 100, **overrides) -> TestbedRun:
 
 
 def _config(tmp_path: Path, **kw) -> AgentConfig:
-    base = {"run_dir": tmp_path / "run", "notify": {"console": "never"}}
+    # Symptom-only incidents open at once here: these tests are about what happens next (the
+    # wait itself: test_a_symptom_only_incident_is_paged_after_the_symptom_wait).
+    base = {"run_dir": tmp_path / "run", "notify": {"console": "never", "symptom_wait_steps": 0}}
     base.update(kw)
     return AgentConfig.model_validate(base)
 

@@ -26,7 +26,9 @@ def _run(steps: int = 60) -> TestbedRun:
 
 
 def _config(tmp_path: Path, **kw) -> AgentConfig:
-    base = {"run_dir": tmp_path / "run", "notify": {"console": "never"}}
+    # Symptom-only incidents open at once here: these tests are about what happens next (the
+    # wait itself: test_a_symptom_only_incident_is_paged_after_the_symptom_wait).
+    base = {"run_dir": tmp_path / "run", "notify": {"console": "never", "symptom_wait_steps": 0}}
     base.update(kw)
     return AgentConfig.model_validate(base)
 
@@ -163,27 +165,30 @@ def test_a_full_disk_never_reaches_the_loop_and_is_named_once(tmp_path, monkeypa
     again.close()  # the buffered records cannot be written: no exception
 
 
+class _Collect:
+    """A notifier that keeps what it is sent."""
+
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def send(self, event, thread):
+        self.events.append(event)
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 def test_injected_notifiers_receive_the_pages(tmp_path):
-    class Collect:
-        name = "collect"
-
-        def __init__(self) -> None:
-            self.events: list = []
-
-        def send(self, event, thread):
-            self.events.append(event)
-            return None
-
-        def close(self) -> None:
-            pass
-
     rules = _rules(
         tmp_path,
         "      - name: high\n        metric: loss\n"
         "        detector: {type: threshold, above: 0.0}\n        for: 0\n"
         "        severity: warning\n        family: symptom\n",
     )
-    notifier = Collect()
+    notifier = _Collect()
     run = _run()
     cfg = _config(tmp_path, rules=[rules], symptoms={"every": 5})
     agent = Agent(run.model, run.optimizer, config=cfg, notifiers=[notifier])
@@ -193,6 +198,34 @@ def test_injected_notifiers_receive_the_pages(tmp_path):
     agent.close()
     assert [e.kind for e in notifier.events] == ["opened"]
     assert notifier.events[0].incident.evidence[0].rule == "high"
+
+
+def test_a_symptom_only_incident_is_paged_after_the_symptom_wait(tmp_path):
+    """Default ``notify.symptom_wait_steps`` (50): a loss rule that fires at step 0 opens its
+    incident, and runs its actions, at the first read-out 50 steps later, not before."""
+
+    rules = _rules(
+        tmp_path,
+        "      - name: high\n        metric: loss\n"
+        "        detector: {type: threshold, above: 0.0}\n        for: 0\n"
+        "        severity: warning\n        family: symptom\n"
+        "        actions: [{lower_lr: {factor: 0.5}}]\n",
+    )
+    notifier = _Collect()
+    run = _run(steps=60)
+    cfg = _config(tmp_path, rules=[rules], symptoms={"every": 5}, notify={"console": "never"})
+    assert cfg.notify.symptom_wait_steps == 50
+    agent = Agent(run.model, run.optimizer, run.scheduler, cfg, notifiers=[notifier])
+    for step in range(50):
+        run.step()
+        agent.step(step, loss=run.last_loss)
+    assert notifier.events == [] and agent.incident is None and agent.lr_scale == 1.0
+    run.step()
+    agent.step(50, loss=run.last_loss)
+    agent.close()
+    assert [e.kind for e in notifier.events][:1] == ["opened"]
+    assert notifier.events[0].incident.opened_step == 50
+    assert agent.lr_scale == pytest.approx(0.5)
 
 
 def test_the_hung_run_rules_actions_run_at_the_next_step_boundary(tmp_path):

@@ -101,6 +101,7 @@ def test_state_round_trip_keeps_open_incident_without_repage():
 
 
 def _loss(rule: str, onset: int) -> Evidence:
+    """Loss evidence; a ``loss_spike`` comes from a jump detector (``Detector.abrupt``)."""
     return Evidence(
         rule=rule,
         metric="loss",
@@ -111,6 +112,7 @@ def _loss(rule: str, onset: int) -> Evidence:
         baseline=2.0,
         onset_step=onset,
         fired_step=onset + 20,
+        abrupt=rule == "loss_spike",
     )
 
 
@@ -177,15 +179,93 @@ def test_a_qk_collapse_with_the_whole_block_after_a_loss_jump_stays_unattributed
     assert att.open.quiet_families == ["router_instability"]
 
 
-def test_a_collapse_that_begins_with_the_loss_change_is_still_a_cause():
+def test_a_collapse_that_begins_with_a_gradual_loss_change_is_still_a_cause():
     """A smaller batch makes the loss noisier and collapses the router at once: no
     consequence before the loss damage had ``consequence_lag`` steps to feed back."""
     router = _alert("router", "router_instability", 525, fired=550)
     att = Attributor(RunContext(run_name="r"))
-    att.update(510, [_loss("loss_spike", onset=500)])
-    att.update(550, [_loss("loss_spike", onset=500), router])
+    att.update(510, [_loss("loss_rise", onset=500)])
+    att.update(550, [_loss("loss_rise", onset=500), router])
     assert att.open.family == "router_instability"
     strict = Attributor(RunContext(run_name="r"), consequence_lag=0)
-    strict.update(510, [_loss("loss_spike", onset=500)])
-    strict.update(550, [_loss("loss_spike", onset=500), router])
+    strict.update(510, [_loss("loss_rise", onset=500)])
+    strict.update(550, [_loss("loss_rise", onset=500), router])
     assert strict.open.family == "unattributed"
+
+
+@pytest.mark.parametrize("family", ["fa_precision", "router_instability"])
+def test_a_collapse_that_begins_after_the_loss_jumped_is_a_consequence(family):
+    """A data shift jumps the loss at 900; the model relearns and a mechanism collapses from
+    925 on, before the block's controls fire (evaluation seed 100): no fa_precision, no
+    router_instability, even though the jump is well inside ``consequence_lag``."""
+    att = Attributor(RunContext(run_name="r"))
+    jump = [_loss("loss_rise", onset=900), _loss("loss_spike", onset=900)]
+    att.update(910, jump)
+    mech = _alert("mech", family, onset=925, fired=930)
+    events = att.update(930, [*jump, mech])
+    assert att.open.family == "unattributed" and [e.kind for e in events] == ["updated"]
+    assert {e.rule: e.consequence for e in att.open.evidence}["mech"] is True
+    # The same collapse after a gradual rise of the loss is a cause (see above) ...
+    gradual = Attributor(RunContext(run_name="r"))
+    gradual.update(910, jump[:1])
+    gradual.update(930, [jump[0], mech])
+    assert gradual.open.family == family
+    # ... and so is one that began with the jump or before it.
+    for onset in (900, 875):
+        early = Attributor(RunContext(run_name="r"))
+        early.update(910, jump)
+        early.update(930, [*jump, dataclasses.replace(mech, onset_step=onset)])
+        assert early.open.family == family, onset
+
+
+def test_a_mechanism_cause_stays_a_cause_when_the_loss_jumps_later():
+    att = Attributor(RunContext(run_name="r"))
+    qk = _alert("qk", "fa_precision", onset=600, fired=650)
+    att.update(650, [qk])
+    att.update(1200, [qk, _loss("loss_spike", onset=1180)])  # the damaged run spikes
+    qk_later = _alert("qk", "fa_precision", onset=1190, fired=1210, layer="l1")
+    att.update(1210, [qk, _loss("loss_spike", onset=1180), qk_later])
+    assert att.open.family == "fa_precision"
+    assert all(not e.consequence for e in att.open.evidence if e.rule == "qk")
+
+
+def test_symptoms_are_held_for_the_wait_so_a_following_mechanism_names_the_first_page():
+    """A smaller batch: the gradient norm jumps at 505, the router collapse fires at 550."""
+    att = Attributor(RunContext(run_name="r"), symptom_wait=50)
+    grad = dataclasses.replace(_loss("grad_norm_spike", 485), metric="grad_norm", fired_step=505)
+    assert att.update(505, [grad]) == [] and att.holding and att.open is None
+    assert att.update(525, [grad]) == []
+    router = _alert("router", "router_instability", 525, fired=550)
+    (event,) = att.update(550, [grad, router])
+    assert event.kind == "opened" and event.incident.family == "router_instability"
+    assert not att.holding
+
+
+def test_held_symptoms_open_after_the_wait_and_are_forgotten_when_they_clear():
+    att = Attributor(RunContext(run_name="r"), symptom_wait=50)
+    rise = _loss("loss_rise", 880)  # fired at 900
+    assert att.update(900, [rise]) == [] and att.update(949, [rise]) == []
+    (event,) = att.update(950, [rise])
+    assert event.kind == "opened" and event.incident.family == "unattributed"
+    assert event.incident.opened_step == 950
+    # A symptom that clears while held leaves nothing behind.
+    other = Attributor(RunContext(run_name="r"), symptom_wait=50)
+    other.update(900, [rise])
+    assert other.update(925, []) == [] and not other.holding
+    assert other.update(960, [dataclasses.replace(rise, fired_step=960)]) == []
+    assert other.held_since == 960
+    # The hold survives a restart.
+    restored = Attributor(RunContext(run_name="r"), symptom_wait=50)
+    restored.load_state_dict(other.state_dict())
+    assert restored.holding and restored.update(1010, [rise])[0].kind == "opened"
+
+
+def test_critical_symptoms_and_mechanisms_open_at_once():
+    nan = dataclasses.replace(_loss("loss_nonfinite", 700), severity="critical")
+    att = Attributor(RunContext(run_name="r"), symptom_wait=50)
+    assert [e.kind for e in att.update(720, [nan])] == ["opened"]
+    qk = Attributor(RunContext(run_name="r"), symptom_wait=50)
+    assert [e.kind for e in qk.update(650, [_alert("qk", "fa_precision", 600, fired=650)])] == [
+        "opened"
+    ]
+    assert Attributor(RunContext(run_name="r")).update(900, [_loss("loss_rise", 880)])  # wait 0

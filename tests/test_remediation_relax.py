@@ -242,7 +242,7 @@ def test_agent_relaxes_an_overshooting_cut_in_a_real_loop(tmp_path: Path):
     cfg = AgentConfig.model_validate(
         {
             "run_dir": tmp_path / "run",
-            "notify": {"console": "never"},
+            "notify": {"console": "never", "symptom_wait_steps": 0},  # act on the symptom at once
             "rules": [rules],
             "symptoms": {"every": 5},
         }

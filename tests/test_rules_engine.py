@@ -363,6 +363,7 @@ def test_points_fed_once_disabled_rules_skipped_and_evidence():
     )
     assert evidence.summary == "loss at 9.00 on 0 since 3"
     assert evidence.suggest == "lower the LR (n/a)"
+    assert evidence.abrupt is False  # a level, not a jump detector (Detector.abrupt)
     assert [str(a) for a in alert.actions] == ["page", "rollback(margin_steps=100)"]
     assert "off" not in {a.rule for a in engine.alerts()}
 
@@ -405,3 +406,16 @@ def test_state_with_nan_values_is_strict_json():
     (alert,) = restored.alerts()
     assert alert.state == "inactive" and alert.resolved_step == 1 and math.isnan(alert.value)
     assert alert.summary.startswith("loss = nan")
+
+
+def test_evidence_of_a_jump_detector_says_abrupt():
+    """The z-score detector fires on jumps and tracks slow drifts: its evidence on the loss
+    tells attribution that the run changed from outside (agent/attribution.py)."""
+    engine, store = engine_for(
+        rule_text("spike", "loss", "{type: ewma, warmup: 5, z: 4.0, direction: rising}")
+    )
+    for step, value in enumerate([2.0, 2.1, 1.9, 2.05, 1.95, 2.0, 9.0]):
+        store.append(Sample.make(step, "loss", value))
+        engine.evaluate(step, 0.0)
+    (alert,) = engine.alerts()
+    assert alert.state == "firing" and alert.to_evidence().abrupt is True

@@ -173,6 +173,10 @@ class Detector(ABC):
 
     type: ClassVar[str]
     Params: ClassVar[type[DetectorParams]] = DetectorParams
+    # True for detectors that fire on a jump and track a slow drift instead (a z-score against
+    # recent values): their alert on the loss says the run changed abruptly, from outside the
+    # mechanisms (agent/attribution.py). Custom detectors without it count as not abrupt.
+    abrupt: ClassVar[bool] = False
     _state_fields: ClassVar[StateFields] = StateFields()
 
     def __init__(

@@ -112,6 +112,7 @@ class EWMADetector(Detector):
     """Exponentially weighted z-score. See the module docstring."""
 
     type = "ewma"
+    abrupt = True  # a slow drift is tracked, not detected (module docstring)
     Params = EWMAParams
     params: EWMAParams
     _state_fields = StateFields(ints=("n_finite",), floats=("mean", "m2_or_var"))

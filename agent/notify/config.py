@@ -130,6 +130,13 @@ class NotifyConfig(BaseModel):
     repeat_every_s: float | None = Field(
         3600.0, gt=0, description="... or after this many seconds, whichever comes first."
     )
+    symptom_wait_steps: int = Field(
+        50,
+        ge=0,
+        description="Hold a new incident that only non-critical symptoms (loss, grad norm) "
+        "support this many steps before it opens (its page and its rules' actions wait too), "
+        "so that a mechanism alert that follows names the fault in the first page (0: at once).",
+    )
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ class Alert:
     held: int = 0  # evaluations the condition has held since the episode became pending
     false_count: int = 0  # evaluations since the condition last held, while firing
     last_true_step: int | None = None  # last step the condition held, while firing
+    abrupt: bool = False  # the rule's detector fires on jumps only (Detector.abrupt)
     summary_template: str = field(default="", repr=False)
     suggest_template: str = field(default="", repr=False)
 
@@ -113,6 +114,7 @@ class Alert:
             onset_step=self.onset_step,
             fired_step=self.fired_step if self.fired_step is not None else (self.step or 0),
             trend=self.trend,
+            abrupt=self.abrupt,
             summary=self.summary,
             suggest=self.suggest,
         )

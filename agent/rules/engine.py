@@ -181,6 +181,7 @@ class RuleEngine:
             actions=rule.actions,
             summary_template=rule.spec.summary,
             suggest_template=rule.spec.suggest,
+            abrupt=bool(getattr(detector, "abrupt", False)),
         )
         return _Group(detector, alert)
 
