@@ -23,7 +23,7 @@ Measured (fp32, medians, the agent's code):
 
 Derived per model: the work of one evaluation (all layers and heads; and per sampling
 setting), in total and on the slowest rank when the work is spread over the job's GPUs as
-``agent/distributed/assignment.py`` does (query head h of layer i on rank (i + h) % world, all
+``agent/distributed/assignment.py`` does (query head h of layer i on rank (i H + h) % world, all
 controls of layer i on rank i % world); the fraction of an assumed step time, with
 step time = 6 N T / (GPUs x peak x MFU); the snapshot memory (fp32, one process).
 """
@@ -479,7 +479,7 @@ def evaluation_work(
     model: ModelShape, head: HeadCost, costs: ControlCosts, s: Settings, max_evals: int = 64
 ) -> Work:
     """Simulate the rotation of QKSnapshots (layer window, head window per layer) and the
-    distributed assignment (head h of layer i -> rank (i + h) % world, controls of layer i ->
+    distributed assignment (head h of layer i -> rank (i H + h) % world, controls of layer i ->
     rank i % world) over up to ``max_evals`` evaluations."""
     world, layers, heads = model.step.gpus, model.layers, model.heads
     lpe = min(s.layers_per_eval or layers, layers)
@@ -494,7 +494,7 @@ def evaluation_work(
             layer = (start + i) % layers
             chosen = [(offset[layer] + j) % heads for j in range(hpl)]
             offset[layer] = (offset[layer] + hpl) % heads
-            for rank, n in Counter(head_rank(layer, h, world) for h in chosen).items():
+            for rank, n in Counter(head_rank(layer, h, heads, world) for h in chosen).items():
                 per_rank[rank] += head.job(n)
             ctl = control_seconds(model, costs, layer, s.controls)
             per_rank[control_rank(layer, world)] += ctl

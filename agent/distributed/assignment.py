@@ -6,8 +6,11 @@
   head boundaries): each rank measures its local heads, nothing moves (with a window of
   ``heads_per_layer`` < H heads, one evaluation may then fall on fewer ranks; balanced over
   ceil(H / heads_per_layer) visits); otherwise rank
-  ``(i + h) % world``, round robin, so that every evaluation (all heads of a few layers, or a
-  rotating window of heads) is spread over the ranks; the head's KV factor comes with it;
+  ``(i * H + h) % world``, round robin over the global head index, so that every evaluation
+  (all heads of a few layers, or a rotating window of heads) is spread over the ranks, on any
+  number of ranks (``(i + h) % world``, the earlier rule, used only the first L + H - 1 ranks:
+  a 70B model on 1024 ranks had a slowest rank 12x the even share); the head's KV factor comes
+  with it;
 - the ``i``-th layer's control matrices (values, output projection, MLP): rank ``i % world``;
 - the ``j``-th router's weight statistics (conditioning ratio, similarity): rank
   ``j % world``; the routing sums are every rank's own (each rank routes its own tokens) and
@@ -28,10 +31,13 @@ from agent.discovery.sites import HeadSlices
 Need = list[int] | None
 
 
-def head_rank(layer: int, head: int, world: int, owners: list[int] | None = None) -> int:
-    """The rank that measures query head ``head`` of the ``layer``-th attention layer
-    (``owners``: the rank holding each head's rows, when they are local to one rank)."""
-    return owners[head] if owners is not None else (layer + head) % world
+def head_rank(
+    layer: int, head: int, num_heads: int, world: int, owners: list[int] | None = None
+) -> int:
+    """The rank that measures query head ``head`` of the ``layer``-th attention layer, which
+    has ``num_heads`` query heads (``owners``: the rank holding each head's rows, when they
+    are local to one rank)."""
+    return owners[head] if owners is not None else (layer * num_heads + head) % world
 
 
 def control_rank(layer: int, world: int) -> int:
@@ -46,7 +52,7 @@ def heads_of(
     layer: int, num_heads: int, rank: int, world: int, owners: list[int] | None = None
 ) -> list[int]:
     """The query heads of the ``layer``-th attention layer that ``rank`` measures."""
-    return [h for h in range(num_heads) if head_rank(layer, h, world, owners) == rank]
+    return [h for h in range(num_heads) if head_rank(layer, h, num_heads, world, owners) == rank]
 
 
 def rows_needed(

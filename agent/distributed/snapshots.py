@@ -66,7 +66,8 @@ class ShardedQKSnapshots(QKSnapshots):
     ) -> QKJob | None:
         layer = self._index[site.name]
         owners = self.owners[site.name]
-        mine = [h for h in heads if head_rank(layer, h, self.world.size, owners) == self.world.rank]
+        world, rank = self.world.size, self.world.rank
+        mine = [h for h in heads if head_rank(layer, h, site.num_heads, world, owners) == rank]
         owns_controls = control_rank(layer, self.world.size) == self.world.rank
         if not (mine or owns_controls and self.controls.get(site.name)):
             return None
