@@ -215,7 +215,7 @@ def test_a_monitor_that_raises_on_one_rank_leaves_its_heads_out_everywhere(ddp):
         (("head", "2"), ("layer", "blocks.0.attn")),
         (("head", "0"), ("layer", "blocks.1.attn")),
         (("head", "2"), ("layer", "blocks.1.attn")),
-    }  # fmt: skip (rank 0's heads: (layer x 4 + head) % 2 == 0)
+    }  # rank 0's heads: (layer x 4 + head) % 2 == 0
     assert len({k[2] for k in samples if k[0] == 20 and k[1] == "qk_delta2_entropy"}) == 8
     assert ranks[1]["errors"] == [["qk monitor", "RuntimeError: monitor exploded on rank 1"]]
     assert [e[0] for e in ranks[0]["errors"]] == ["rank 1"]
