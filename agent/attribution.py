@@ -141,6 +141,12 @@ def _is_consequence(
     )
 
 
+def _with_held(firing: list[Evidence], held: list[Evidence]) -> list[Evidence]:
+    """``firing`` plus the held evidence of alerts that no longer fire."""
+    keys = {(e.rule, tuple(sorted(e.labels.items()))) for e in firing}
+    return firing + [e for e in held if (e.rule, tuple(sorted(e.labels.items()))) not in keys]
+
+
 class Attributor:
     """Turns the set of firing alerts at each evaluation into incident events and actions."""
 
@@ -156,7 +162,8 @@ class Attributor:
         self.context = context or RunContext()
         self.consequence_lag = consequence_lag
         self.symptom_wait = symptom_wait
-        self.held_since: int | None = None  # first firing step of held symptom evidence
+        self.held: list[Evidence] = []  # symptom evidence held back (the symptom wait)
+        self.held_since: int | None = None  # the first firing step of the held evidence
         self.monitored = set(monitored_families or MECHANISM_FAMILIES)
         self.history = history
         self.open: Incident | None = None
@@ -168,22 +175,16 @@ class Attributor:
     def update(self, step: int, firing: list[Evidence]) -> list[IncidentEvent]:
         """The incident events of one evaluation, from the evidence of every firing alert."""
         if self.open is None:
-            if not firing:
-                self.held_since = None
-                return []
+            held, self.held, self.held_since = self.held, [], None
+            if not firing:  # held symptoms that cleared are still paged, opened and resolved
+                return [self._open(step, held), self._resolve(step)] if held else []
+            firing = _with_held(firing, held)  # a held alert that cleared stays evidence
             if self._hold(step, firing):
                 return []
-            self.held_since = None
             return [self._open(step, firing)]
-        incident = self.open
         if not firing:
-            incident.status = "resolved"
-            incident.resolved_step = step
-            incident.updated_step = step
-            event = self._event("resolved", step, "all alerts cleared")
-            self.closed = (self.closed + [incident])[-self.history :]
-            self.open = None
-            return [event]
+            return [self._resolve(step)]
+        incident = self.open
         old_family, old_rules = incident.family, {e.rule for e in incident.evidence}
         self._merge(step, firing)
         new_rules = {e.rule for e in incident.evidence} - old_rules
@@ -197,20 +198,34 @@ class Attributor:
             return [self._event("updated", step, "new evidence: " + ", ".join(sorted(new_rules)))]
         return []
 
+    def _resolve(self, step: int) -> IncidentEvent:
+        incident = self.open
+        assert incident is not None
+        incident.status = "resolved"
+        incident.resolved_step = step
+        incident.updated_step = step
+        event = self._event("resolved", step, "all alerts cleared")
+        self.closed = (self.closed + [incident])[-self.history :]
+        self.open = None
+        return event
+
     @property
     def holding(self) -> bool:
         """Symptom evidence fires and is held before it opens an incident (module docstring)."""
         return self.open is None and self.held_since is not None
 
     def _hold(self, step: int, firing: list[Evidence]) -> bool:
-        """Whether ``firing`` (no incident open) waits before it opens one."""
+        """Whether ``firing`` (no incident open) waits before it opens one; if so, it is
+        held."""
         if self.symptom_wait <= 0 or any(
             e.family != "symptom" or e.severity == "critical" for e in firing
         ):
             return False
-        if self.held_since is None:
-            self.held_since = min(e.fired_step for e in firing)
-        return step < self.held_since + self.symptom_wait
+        since = min(e.fired_step for e in firing)
+        if step >= since + self.symptom_wait:
+            return False
+        self.held, self.held_since = list(firing), since
+        return True
 
     def causes(self, rule: str) -> bool:
         """Whether ``rule`` is a cause of the open incident (some of its evidence is not a
@@ -302,7 +317,7 @@ class Attributor:
             "closed": [i.to_dict() for i in self.closed],
             "seq": self._seq,
             "count": self._count,
-            "held_since": self.held_since,
+            "held": [dataclasses.asdict(e) for e in self.held],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,5 +325,5 @@ class Attributor:
         self.closed = [Incident.from_dict(i) for i in state.get("closed", [])]
         self._seq = int(state.get("seq", 0))
         self._count = int(state.get("count", 0))
-        held = state.get("held_since")
-        self.held_since = int(held) if held is not None else None
+        self.held = [Evidence(**e) for e in state.get("held", [])]
+        self.held_since = min((e.fired_step for e in self.held), default=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -248,16 +249,24 @@ def test_held_symptoms_open_after_the_wait_and_are_forgotten_when_they_clear():
     (event,) = att.update(950, [rise])
     assert event.kind == "opened" and event.incident.family == "unattributed"
     assert event.incident.opened_step == 950
-    # A symptom that clears while held leaves nothing behind.
+    # A symptom that clears while held is still paged: opened and resolved when it clears.
     other = Attributor(RunContext(run_name="r"), symptom_wait=50)
     other.update(900, [rise])
-    assert other.update(925, []) == [] and not other.holding
-    assert other.update(960, [dataclasses.replace(rise, fired_step=960)]) == []
-    assert other.held_since == 960
+    events = other.update(925, [])
+    assert [e.kind for e in events] == ["opened", "resolved"] and not other.holding
+    assert [e.rule for e in events[0].incident.evidence] == ["loss_rise"]
+    # One that clears while another holds on stays evidence of the incident that opens.
+    spike = dataclasses.replace(_loss("loss_spike", 1000), fired_step=1010)
+    assert other.update(1010, [spike]) == [] and other.held_since == 1010
+    grad = dataclasses.replace(_loss("grad_norm_spike", 1015), metric="grad_norm")
+    assert other.update(1035, [grad]) == [] and other.held_since == 1010
     # The hold survives a restart.
     restored = Attributor(RunContext(run_name="r"), symptom_wait=50)
-    restored.load_state_dict(other.state_dict())
-    assert restored.holding and restored.update(1010, [rise])[0].kind == "opened"
+    restored.load_state_dict(json.loads(json.dumps(other.state_dict())))
+    assert restored.holding and restored.held_since == 1010
+    (opened,) = restored.update(1060, [grad])
+    assert opened.kind == "opened" and opened.incident.opened_step == 1060
+    assert {e.rule for e in opened.incident.evidence} == {"loss_spike", "grad_norm_spike"}
 
 
 def test_critical_symptoms_and_mechanisms_open_at_once():
