@@ -41,7 +41,9 @@ below ``critical`` (a loss rise or spike, a gradient-norm spike) is held ``sympt
 default cadence) before it opens, so that a mechanism alert that follows names the fault in the
 first page instead of an ``unattributed`` one (a smaller batch makes the gradient norm jump 45
 steps before the router collapse fires). While held, nothing is paged and no action runs;
-critical symptoms (a non-finite loss, a hung run) and any mechanism evidence open at once.
+held evidence that clears is paged when it clears (opened and resolved) or stays evidence of
+the incident that opens; critical symptoms (a non-finite loss, a hung run) and any mechanism
+evidence open at once.
 
 Confidence (documented heuristic, in [0, 1]): a mechanism family starts at 0.6, gains 0.1 per
 further distinct firing rule of that family (at most +0.2), 0.1 when the other mechanism family
