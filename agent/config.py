@@ -52,6 +52,15 @@ class QKMonitorConfig(_Strict):
     snapshot_device: str | None = Field(
         None, description="where snapshots live: None (next to the weights) or 'cpu'"
     )
+    budget: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="adaptive sampling: keep the monitor thread's QK work within this fraction "
+        "of the measured step time (0.01: 1%) by measuring fewer layers (then heads) per "
+        "evaluation (agent/monitor_budget.py); None: the fixed layers_per_eval / heads_per_layer. "
+        "One process only",
+    )
 
 
 class RouterMonitorConfig(_Strict):

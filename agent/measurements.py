@@ -27,6 +27,7 @@ text)`` and skipped (its buffered values dropped), the other parts go on.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from agent import samples as m
 from agent.costs import Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import find_controls
+from agent.monitor_budget import MonitorBudget
 from agent.probes import QKJob, QKSnapshots, compute_qk_samples
 from agent.router_buffer import HandedBatch
 from agent.router_probe import RouterProbe
@@ -64,6 +66,8 @@ class Measurements:
     """See the module docstring. ``config`` is an ``AgentConfig`` (its qk, router, symptoms
     and scheduling sections)."""
 
+    adaptive_budget = True  # ``qk.budget`` is supported (agent.monitor_budget)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -75,6 +79,11 @@ class Measurements:
         report: Report | None = None,
         costs: Costs | None = None,
     ) -> None:
+        if config.qk.budget is not None and not self.adaptive_budget:
+            raise ValueError(
+                "qk.budget is supported in one process only: set qk.layers_per_eval / "
+                "qk.heads_per_layer for a distributed run (benchmarks/results/scale.md)"
+            )
         self.model = model
         self.costs = costs if costs is not None else Costs()
         self.config = config
@@ -96,6 +105,16 @@ class Measurements:
                 site.name: find_controls(model, site, router_sites, qk.controls)
                 for site in attention_sites
             },
+        )
+        self.budget = (
+            MonitorBudget(
+                qk.budget,
+                delta=qk.delta,
+                layers=len(attention_sites),
+                heads=max((s.num_heads for s in attention_sites), default=1),
+            )
+            if qk.budget is not None
+            else None
         )
         self._loss: list[tuple[int, Scalar]] = []
         self._grad: list[tuple[int, Scalar]] = []
@@ -139,14 +158,27 @@ class Measurements:
                 self.report("router probe", err)
             self.router_probe.errors.clear()
         lag = self.config.scheduling.apply_lag
+        if self.budget is not None:
+            self._apply_budget(step)
         for job in self._guarded("qk snapshot", lambda: self.qk.on_step(step), []):
             self._pending.append((step + lag, self._submit_job(job)))
         new += self._collect_due(step)
         return new
 
+    def _apply_budget(self, step: int) -> None:
+        """Time the step; before a snapshot step, size the next evaluation to the budget."""
+        assert self.budget is not None
+        self.budget.on_step(time.perf_counter())
+        if step % self.qk.delta == 0:
+            layers, heads = self.budget.plan()
+            if layers is not None:
+                self.qk.layers_per_eval, self.qk.heads_per_layer = layers, heads
+
     def restart(self) -> None:
         """The run continues from an earlier state: drop what was measured on the abandoned
         path (snapshots, results not yet applied, buffered values)."""
+        if self.budget is not None:
+            self.budget.restart()
         self.qk.reset()
         self.router_probe.reset()
         for future in [f for _, f in self._pending + list(self._router_handed.values())]:
@@ -218,8 +250,11 @@ class Measurements:
 
     def _compute(self, job: QKJob, orders: tuple[int, ...]) -> list[Sample]:
         """The job's samples (monitor thread); its snapshot buffers are reused afterwards."""
+        start = time.thread_time()
         samples = compute_qk_samples(job, orders)
         self.qk.buffers.finished(job)
+        if self.budget is not None:
+            self.budget.on_job(time.thread_time() - start, len(job.heads))
         return samples
 
     def _collect_due(self, step: int) -> list[Sample]:

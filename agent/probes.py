@@ -157,6 +157,7 @@ class QKSnapshots:
         self.heads_per_layer = heads_per_layer
         self.device = device
         self._evaluation = 0
+        self._start = 0  # the first layer of the next plan (rotating)
         self.evaluated: int | None = None  # the step of the latest evaluation (jobs handed out)
         self._head_offset = {site.name: 0 for site in sites}
         self._previous: dict[str, dict[str, torch.Tensor]] = {}
@@ -179,9 +180,11 @@ class QKSnapshots:
         return _snapshot(site, self.device, controls, self.control_rows, self.buffers)
 
     def _plan(self) -> list[AttentionSite]:
+        """The layers of the next evaluation: ``layers_per_eval`` of them (it may change
+        between evaluations: ``agent.monitor_budget``), rotating."""
         n = len(self.sites)
-        start = (self._evaluation * self.layers_per_eval) % n if n else 0
-        return [self.sites[(start + i) % n] for i in range(self.layers_per_eval)]
+        count = max(1, min(self.layers_per_eval, n))
+        return [self.sites[(self._start + i) % n] for i in range(count)]
 
     def _heads(self, site: AttentionSite) -> list[int]:
         h = site.num_heads
@@ -200,6 +203,7 @@ class QKSnapshots:
         heads = {site.name: self._heads(site) for site in measured}
         if evaluating:
             self._evaluation += 1
+            self._start = (self._start + len(measured)) % len(self.sites)
             self.evaluated = step
         # Plan the next evaluation: its "previous" snapshots are taken now (a layer measured
         # now and planned again reuses its current snapshot).

@@ -62,6 +62,8 @@ except ImportError:  # pragma: no cover - torch without DTensor
 class DistributedMeasurements(Measurements):
     """See the module docstring. ``world`` is this rank's ``World``."""
 
+    adaptive_budget = False  # each rank would time its own share and plan its own layers
+
     def __init__(self, *args: Any, world: World, **kwargs: Any) -> None:
         self.world = world  # before the base class builds the QK snapshots
         super().__init__(*args, **kwargs)
