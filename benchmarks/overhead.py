@@ -36,7 +36,18 @@ from provenance import provenance
 from timing import QKLayer
 from torch import nn
 
-VARIANTS = ("bare", "agent", "agent, grad norm given", "agent, no QK / router monitors")
+VARIANTS = (
+    "bare",
+    "agent",
+    "agent, grad norm given",
+    "agent, qk.budget 0.01",
+    "agent, no QK / router monitors",
+)
+# The AgentConfig keys of each agent variant (besides run_dir).
+SETTINGS: dict[str, dict] = {
+    "agent, qk.budget 0.01": {"qk": {"budget": 0.01}},
+    "agent, no QK / router monitors": {"qk": {"enabled": False}, "router": {"enabled": False}},
+}
 
 
 def child(variant: str, steps: int) -> dict:
@@ -55,8 +66,7 @@ def child(variant: str, steps: int) -> dict:
         run = TestbedRun(scenario, record_monitors=False)  # the bare loop: no test-bed monitors
         agent = None
         if variant != "bare":
-            off = {"qk": {"enabled": False}, "router": {"enabled": False}}
-            config = AgentConfig(run_dir=run_dir, **(off if "no QK" in variant else {}))
+            config = AgentConfig(run_dir=run_dir, **SETTINGS.get(variant, {}))
             agent = Agent(run.model, run.optimizer, run.scheduler, config)
         give_norm = variant == "agent, grad norm given"
         for step in range(steps):
