@@ -15,6 +15,11 @@ slots and is reduced at once, as before; a small one (1024 x 8) is reduced every
 A forward with a different token count or dtype reduces what is buffered and starts a new
 buffer.
 
+A plain ``nn.Linear`` router's output *is* its logits (z = x W^T + b, computed by the router
+itself at the precision it routes with): ``add_logits`` copies it, tokens first (N x E), into
+a buffer of that layout, which is a plain copy instead of a product; the reduction reads it
+experts first (a transposed view, made contiguous where it is reduced).
+
 Off the training thread: ``hand_over()`` gives the buffered forwards and sums to a
 ``HandedBatch`` that the monitor thread reduces (``HandedBatch.reduce``), while the hooks go on
 writing into a second buffer; the first one is reused once the batch was reduced
@@ -33,21 +38,45 @@ DEFAULT_MAX_BYTES = 4 * 2**20
 DEFAULT_MAX_FORWARDS = 64
 
 
+@dataclass(frozen=True)
+class _Storage:
+    """A preallocated logit buffer and its layout."""
+
+    tensor: torch.Tensor  # (slots, E, N), or (slots, N, E) when tokens_first
+    tokens_first: bool  # filled from routers' outputs (N x E) instead of products (E x N)
+
+    def fits(self, z: torch.Tensor, tokens_first: bool) -> bool:
+        """Can it take a forward of ``tokens_first`` layout with z (N, ...) as input or logits?"""
+        t = self.tensor
+        tokens = t.shape[1] if self.tokens_first else t.shape[2]
+        return (
+            self.tokens_first == tokens_first
+            and tokens == z.shape[0]
+            and t.dtype == z.dtype
+            and t.device == z.device
+        )
+
+    def experts_first(self, filled: int) -> torch.Tensor:
+        """The first ``filled`` forwards, (F, E, N) (a view)."""
+        view = self.tensor[:filled]
+        return view.transpose(1, 2) if self.tokens_first else view
+
+
 @dataclass
 class HandedBatch:
     """One router's forwards since its previous hand-over, to reduce on another thread."""
 
     top_k: int
-    logits: torch.Tensor | None  # (F, E, N) buffered, not yet reduced (None: none)
+    logits: torch.Tensor | None  # (F, E, N) buffered, not yet reduced (None: none); a view
     sums: torch.Tensor | None  # (5,) of the forwards already reduced (None: none)
     load: torch.Tensor | None  # (E,)
-    storage: torch.Tensor | None  # the buffer ``logits`` lives in, to recycle
+    storage: _Storage | None  # the buffer ``logits`` lives in, to recycle
 
     def reduce(self) -> torch.Tensor | None:
         """(5 + E,) on the device, as ``RouterLogitBuffer.take``; None: no forward."""
         sums, load = self.sums, self.load
         if self.logits is not None:
-            row, part = routing_sums(self.logits, self.top_k)
+            row, part = routing_sums(self.logits.contiguous(), self.top_k)
             sums, load = (row, part) if sums is None or load is None else (sums + row, load + part)
         if sums is None or load is None:
             return None
@@ -67,9 +96,9 @@ class RouterLogitBuffer:
     ) -> None:
         self.num_experts, self.top_k = num_experts, top_k
         self.max_bytes, self.max_forwards = max_bytes, max_forwards
-        self._logits: torch.Tensor | None = None  # (slots, E, N) at the input's precision
-        self._spare: torch.Tensor | None = None  # a reduced buffer to swap in at a hand-over
-        self._slots: list[torch.Tensor] = []  # the (E, N) views of ``_logits``, one per slot
+        self._storage: _Storage | None = None  # the buffer the hooks write into
+        self._spare: _Storage | None = None  # a reduced buffer to swap in at a hand-over
+        self._slots: list[torch.Tensor] = []  # the per-forward views of ``_storage``
         self._filled = 0  # slots holding a forward's logits
         self._sums: torch.Tensor | None = None  # (5,) in ROUTING_SUM_FIELDS order, fp32+
         self._load: torch.Tensor | None = None  # (E,) summed load fractions
@@ -78,25 +107,27 @@ class RouterLogitBuffer:
         """Buffer z^T = W x^T + b for x (tokens, d), W [E, d], b [E], at x's precision; x, W
         and b detached (no autograd graph). Runs inside every training forward, with the
         caches cold: as few operations as possible."""
-        slots = self._slots
-        if not slots or not _fits(self._logits, x):
-            slots = self._new_buffer(x)
-        out = slots[self._filled]  # (E, N), a contiguous view made once
+        out = self._next_slot(x, tokens_first=False)  # (E, N), a contiguous view made once
         w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
         if torch.is_autocast_enabled(x.device.type):  # out= keeps the input's dtype anyway
             with torch.autocast(x.device.type, enabled=False):
                 _product(w, x, bias, out)
         else:
             _product(w, x, bias, out)
-        self._filled += 1
-        if self._filled == len(slots):
-            self.flush()
+        self._filled_one()
+
+    def add_logits(self, z: torch.Tensor) -> None:
+        """Buffer logits z (tokens, E) that the router computed itself, detached, at their
+        precision: one copy."""
+        self._next_slot(z, tokens_first=True).copy_(z)  # (N, E)
+        self._filled_one()
 
     def flush(self) -> None:
         """Add the buffered forwards' statistics to the running sums (on the device)."""
-        if self._logits is None or self._filled == 0:
+        if self._storage is None or self._filled == 0:
             return
-        row, load = routing_sums(self._logits[: self._filled], self.top_k)
+        logits = self._storage.experts_first(self._filled).contiguous()  # (F, E, N)
+        row, load = routing_sums(logits, self.top_k)
         self._filled = 0
         if self._sums is None or self._load is None:
             self._sums, self._load = row, load
@@ -119,15 +150,15 @@ class RouterLogitBuffer:
     def hand_over(self) -> HandedBatch:
         """Everything since the last take or hand-over, to reduce elsewhere; the hooks go on in
         the spare buffer (or a new one). Resets the sums."""
-        filled, storage = self._filled, self._logits
+        filled, storage = self._filled, self._storage
         batch = HandedBatch(
             self.top_k,
-            storage[:filled] if storage is not None and filled else None,
+            storage.experts_first(filled) if storage is not None and filled else None,
             self._sums,
             self._load,
             storage,
         )
-        self._logits, self._slots = None, []  # the next forward takes the spare, if any
+        self._storage, self._slots = None, []  # the next forward takes the spare, if any
         self._filled = 0
         self._sums = self._load = None
         return batch
@@ -142,29 +173,31 @@ class RouterLogitBuffer:
         self._filled = 0
         self._sums = self._load = None
 
-    def _new_buffer(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Reduce what the current buffer holds and switch to one for forwards like ``x``:
-        the spare when it fits, else a new one; returns its slots, (E, N) views."""
+    def _next_slot(self, z: torch.Tensor, tokens_first: bool) -> torch.Tensor:
+        """The slot for the next forward, whose input or logits z is (N, ...)."""
+        storage = self._storage
+        if storage is None or not storage.fits(z, tokens_first):
+            self._new_buffer(z, tokens_first)
+        return self._slots[self._filled]
+
+    def _filled_one(self) -> None:
+        self._filled += 1
+        if self._filled == len(self._slots):
+            self.flush()
+
+    def _new_buffer(self, z: torch.Tensor, tokens_first: bool) -> None:
+        """Reduce what the current buffer holds and switch to one for forwards like z (N, ...)
+        in layout ``tokens_first``: the spare when it fits, else a new one."""
         self.flush()
         spare, self._spare = self._spare, None
-        if spare is None or not _fits(spare, x):
-            tokens = x.shape[0]
-            per_forward = max(1, tokens * self.num_experts * x.element_size())
+        if spare is None or not spare.fits(z, tokens_first):
+            tokens, e = z.shape[0], self.num_experts
+            per_forward = max(1, tokens * e * z.element_size())
             slots = max(1, min(self.max_forwards, self.max_bytes // per_forward))
-            spare = torch.empty((slots, self.num_experts, tokens), dtype=x.dtype, device=x.device)
-        self._logits = spare
-        self._slots = list(spare.unbind(0))
-        return self._slots
-
-
-def _fits(buffer: torch.Tensor | None, x: torch.Tensor) -> bool:
-    """Can ``buffer`` (slots, E, N) take the logits of a forward with input x (N, d)?"""
-    return (
-        buffer is not None
-        and buffer.shape[2] == x.shape[0]
-        and buffer.dtype == x.dtype
-        and buffer.device == x.device
-    )
+            shape = (slots, tokens, e) if tokens_first else (slots, e, tokens)
+            spare = _Storage(torch.empty(shape, dtype=z.dtype, device=z.device), tokens_first)
+        self._storage = spare
+        self._slots = list(spare.tensor.unbind(0))
 
 
 def _product(w: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> None:

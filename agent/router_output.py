@@ -4,6 +4,7 @@ The router probe computes the logits itself, z = x W^T + b, from the router's *i
 (``router_input``) and its [E, d] weight (``router_logits``): what routers return differs too
 much to be trusted (Mixtral returns ``(logits, scores, indices)``, Llama 4 ``(scores, logits)``
 with sigmoid scores first, LongcatFlash's weight-holding ``classifier`` is never called at all).
+The one output it takes is that of a router that is exactly ``nn.Linear``: z by definition.
 ``router_logits`` works at the input's precision (the weight is cast to it), as an
 ``nn.Linear`` router under autocast does; a router that upcasts to fp32 itself differs by the
 input precision's rounding of the logits.

@@ -65,8 +65,52 @@ def test_memory_bound_sets_the_slots() -> None:
     x, w = torch.randn(10, D), torch.randn(E, D)
     for _ in range(3):
         buffer.add(x, w, None)
-    assert buffer._logits is not None and buffer._logits.shape == (3, E, 10)
+    assert buffer._storage is not None and buffer._storage.tensor.shape == (3, E, 10)
     assert buffer._filled == 0  # full after three: reduced at once
+
+
+@pytest.mark.parametrize("max_forwards", [2, 64])
+def test_logits_given_tokens_first_reduce_like_products(max_forwards: int) -> None:
+    """add_logits (a router's own N x E output) sums what add (the product) sums, also when
+    forwards of both kinds and of other token counts alternate in one buffer's life."""
+    torch.manual_seed(3)
+    w, b = torch.randn(E, D, dtype=torch.float64), torch.randn(E, dtype=torch.float64)
+    xs = [torch.randn(n, D, dtype=torch.float64) for n in (10, 10, 7, 10, 10)]
+    by_product = RouterLogitBuffer(E, top_k=2, max_forwards=max_forwards)
+    by_logits = RouterLogitBuffer(E, top_k=2, max_forwards=max_forwards)
+    mixed = RouterLogitBuffer(E, top_k=2, max_forwards=max_forwards)
+    for i, x in enumerate(xs):
+        z = x @ w.T + b  # (N, E)
+        by_product.add(x, w, b)
+        by_logits.add_logits(z)
+        if i % 2:
+            mixed.add(x, w, b)
+        else:
+            mixed.add_logits(z)
+    want = by_product.take()
+    assert want is not None
+    for buffer in (by_logits, mixed):
+        got = buffer.take()
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_handed_logits_reduce_off_thread_and_the_buffer_is_recycled() -> None:
+    torch.manual_seed(4)
+    buffer = RouterLogitBuffer(E, top_k=1)
+    zs = [torch.randn(10, E) for _ in range(3)]
+    for z in zs:
+        buffer.add_logits(z)
+    batch = buffer.hand_over()
+    assert batch.logits is not None and batch.logits.shape == (3, E, 10)  # experts first
+    storage = batch.storage
+    got = batch.reduce()
+    want = routing_sums(torch.stack([z.T for z in zs]), 1)
+    assert got is not None
+    torch.testing.assert_close(got, torch.cat([want[0], want[1]]))
+    buffer.recycle(batch)
+    buffer.add_logits(zs[0])
+    assert buffer._storage is storage  # the spare was reused, no new allocation
 
 
 def test_bf16_input_under_autocast_keeps_the_input_precision() -> None:

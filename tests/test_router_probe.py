@@ -156,3 +156,27 @@ def test_a_router_without_data_is_named_once_at_the_first_read_out() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert probe.read(step=2) == []  # named once
+
+
+def test_a_plain_linear_router_is_read_from_its_output() -> None:
+    """An exact nn.Linear gate returns z: the probe copies its output (a forward hook) and
+    gets the statistics of x W^T + b; a subclass (Llama 4's) keeps the input path above."""
+    model = Model("gate").double()
+    model.mlp.gate.bias = nn.Parameter(torch.randn(E, dtype=torch.float64))
+    model.mlp.forward = lambda x: model.mlp.gate(x.reshape(-1, D))  # the gate is called
+    (site,) = find_routers(model)
+    probe = RouterProbe([site])
+    probe.attach()
+    assert model.mlp.gate._forward_hooks and not model.mlp.gate._forward_pre_hooks
+    xs = [torch.randn(2, T // 2, D, dtype=torch.float64) for _ in range(3)]
+    for x in xs:
+        model(x)
+    model.eval()(xs[0])  # evaluation passes do not count
+    samples = probe.read(step=5)
+    stats = [
+        routing_stats(x.reshape(-1, D) @ site.weight().T + site.bias(), site.top_k or 1) for x in xs
+    ]
+    want = sum(float(s[0].mean) for s in stats) / len(stats)
+    assert _values(samples, m.ROUTER_ENTROPY) == [pytest.approx(want, rel=1e-12)]
+    probe.detach()
+    assert not model.mlp.gate._forward_hooks
