@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def child(variant: str, steps: int) -> dict:
 
     imported = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as run_dir:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         scenario = ScenarioConfig.preset("clean", seed=0, steps=steps + 1)
         run = TestbedRun(scenario, record_monitors=False)  # the bare loop: no test-bed monitors
         agent = None
@@ -78,8 +79,14 @@ def child(variant: str, steps: int) -> dict:
         if agent is not None:
             agent.close()
             costs = agent.costs()
-        wall = time.perf_counter() - t0
-    return {"variant": variant, "wall_s": wall, "import_s": imported, "costs": costs}
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    return {
+        "variant": variant,
+        "wall_s": wall,
+        "train_cpu_s": cpu,
+        "import_s": imported,
+        "costs": costs,
+    }
 
 
 def whole_runs(pairs: int, steps: int) -> list[dict]:
@@ -110,7 +117,8 @@ def whole_run_table(results: list[dict], steps: int) -> list[str]:
         "model to `agent.close()` returning.",
         "",
         "| variant | runs (s, in order) | median s | ms / step | overhead (ratio of medians) "
-        "| overhead (median of the pairwise ratios) | pairwise ratios (min..max) |",
+        "| overhead (median of the pairwise ratios [95% bootstrap interval]) "
+        "| pairwise ratios (min..max) |",
         "|---|---|---|---|---|---|---|",
     ]
     for variant, runs in by.items():
@@ -123,11 +131,43 @@ def whole_run_table(results: list[dict], steps: int) -> list[str]:
             if b["pair"] == r["pair"]
         ]
         over = "" if variant == "bare" else f"{med / bare - 1:+.2%}"
-        paired = "" if variant == "bare" else f"{statistics.median(pairwise):+.2%}"
+        paired = ""
+        if variant != "bare":
+            low, high = median_interval(pairwise)
+            paired = f"{statistics.median(pairwise):+.2%} [{low:+.1%}, {high:+.1%}]"
         span = "" if variant == "bare" else f"{min(pairwise):+.1%}..{max(pairwise):+.1%}"
         lines.append(
             f"| {variant} | {', '.join(f'{w:.2f}' for w in walls)} | {med:.2f} | "
             f"{1e3 * med / steps:.2f} | {over} | {paired} | {span} |"
+        )
+    lines += [
+        "",
+        "The training thread's CPU time over the same runs (`time.thread_time()` of the thread "
+        "that trains: what the agent adds to it, its own work and the cache and memory traffic "
+        "it causes; unlike wall time it does not count the time the machine gave to other "
+        "processes, so it is far less noisy on a shared machine, but it does not see the "
+        "training thread waiting for the interpreter lock):",
+        "",
+        "| variant | median CPU s | overhead (ratio of medians) | overhead (median of the "
+        "pairwise ratios [95% bootstrap interval]) |",
+        "|---|---|---|---|",
+    ]
+    bare_cpu = statistics.median(r["train_cpu_s"] for r in by["bare"])
+    for variant, runs in by.items():
+        med = statistics.median(r["train_cpu_s"] for r in runs)
+        if variant == "bare":
+            lines.append(f"| {variant} | {med:.2f} |  |  |")
+            continue
+        pairwise = [
+            r["train_cpu_s"] / b["train_cpu_s"] - 1
+            for r in runs
+            for b in by["bare"]
+            if b["pair"] == r["pair"]
+        ]
+        low, high = median_interval(pairwise)
+        lines.append(
+            f"| {variant} | {med:.2f} | {med / bare_cpu - 1:+.2%} | "
+            f"{statistics.median(pairwise):+.2%} [{low:+.1%}, {high:+.1%}] |"
         )
     agent_imports = statistics.median(r["import_s"] for r in results if r["variant"] != "bare")
     bare_imports = statistics.median(r["import_s"] for r in by["bare"])
@@ -138,6 +178,15 @@ def whole_run_table(results: list[dict], steps: int) -> list[str]:
         "",
     ]
     return lines
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of ``values`` (10,000 resamples, a fixed
+    generator: the same runs give the same interval)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(10_000))
+    tail = (1 - level) / 2
+    return medians[int(tail * len(medians))], medians[int((1 - tail) * len(medians)) - 1]
 
 
 def breakdown_table(results: list[dict], steps: int) -> list[str]:

@@ -118,7 +118,7 @@ BY_NAME: dict[str, Entry] = {e.name: e for e in CATALOG}
 assert len(BY_NAME) == len(CATALOG), "catalogue names must be unique"
 
 TUNING_SEEDS: tuple[int, ...] = (0, 1)
-EVALUATION_SEEDS: tuple[int, ...] = (100, 101, 102)
+EVALUATION_SEEDS: tuple[int, ...] = (100, 101, 102, 103)
 
 _FAULT_FREE = {
     "scenario": "clean",
