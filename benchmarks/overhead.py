@@ -110,7 +110,6 @@ def whole_runs(pairs: int, steps: int) -> list[dict]:
 
 def whole_run_table(results: list[dict], steps: int) -> list[str]:
     by = {v: [r for r in results if r["variant"] == v] for v in VARIANTS}
-    bare = statistics.median(r["wall_s"] for r in by["bare"])
     lines = [
         f"Whole runs: test bed clean run, seed 0, {steps} steps, one torch thread, each run a "
         "fresh process, variants alternated (order rotating). Wall time from building the "
@@ -124,51 +123,26 @@ def whole_run_table(results: list[dict], steps: int) -> list[str]:
     for variant, runs in by.items():
         walls = [r["wall_s"] for r in runs]
         med = statistics.median(walls)
-        pairwise = [
-            r["wall_s"] / b["wall_s"] - 1
-            for r in runs
-            for b in by["bare"]
-            if b["pair"] == r["pair"]
-        ]
-        over = "" if variant == "bare" else f"{med / bare - 1:+.2%}"
-        paired = ""
-        if variant != "bare":
-            low, high = median_interval(pairwise)
-            paired = f"{statistics.median(pairwise):+.2%} [{low:+.1%}, {high:+.1%}]"
-        span = "" if variant == "bare" else f"{min(pairwise):+.1%}..{max(pairwise):+.1%}"
+        cells = " |  |  |" if variant == "bare" else _overhead_cells(by, variant, "wall_s", True)
         lines.append(
             f"| {variant} | {', '.join(f'{w:.2f}' for w in walls)} | {med:.2f} | "
-            f"{1e3 * med / steps:.2f} | {over} | {paired} | {span} |"
+            f"{1e3 * med / steps:.2f} | {cells}"
         )
     lines += [
         "",
         "The training thread's CPU time over the same runs (`time.thread_time()` of the thread "
         "that trains: what the agent adds to it, its own work and the cache and memory traffic "
-        "it causes; unlike wall time it does not count the time the machine gave to other "
-        "processes, so it is far less noisy on a shared machine, but it does not see the "
+        "it causes; it does not count the time the machine gave to other processes, nor the "
         "training thread waiting for the interpreter lock):",
         "",
         "| variant | median CPU s | overhead (ratio of medians) | overhead (median of the "
         "pairwise ratios [95% bootstrap interval]) |",
         "|---|---|---|---|",
     ]
-    bare_cpu = statistics.median(r["train_cpu_s"] for r in by["bare"])
     for variant, runs in by.items():
         med = statistics.median(r["train_cpu_s"] for r in runs)
-        if variant == "bare":
-            lines.append(f"| {variant} | {med:.2f} |  |  |")
-            continue
-        pairwise = [
-            r["train_cpu_s"] / b["train_cpu_s"] - 1
-            for r in runs
-            for b in by["bare"]
-            if b["pair"] == r["pair"]
-        ]
-        low, high = median_interval(pairwise)
-        lines.append(
-            f"| {variant} | {med:.2f} | {med / bare_cpu - 1:+.2%} | "
-            f"{statistics.median(pairwise):+.2%} [{low:+.1%}, {high:+.1%}] |"
-        )
+        cells = " |  |" if variant == "bare" else _overhead_cells(by, variant, "train_cpu_s", False)
+        lines.append(f"| {variant} | {med:.2f} | {cells}")
     agent_imports = statistics.median(r["import_s"] for r in results if r["variant"] != "bare")
     bare_imports = statistics.median(r["import_s"] for r in by["bare"])
     lines += [
@@ -178,6 +152,23 @@ def whole_run_table(results: list[dict], steps: int) -> list[str]:
         "",
     ]
     return lines
+
+
+def _overhead_cells(by: dict[str, list[dict]], variant: str, key: str, span: bool) -> str:
+    """A variant's table cells against the bare runs, on ``key``: the ratio of the medians, the
+    median of the pairwise ratios (each run against the bare run of its round) with its
+    bootstrap interval and, when ``span``, the range of the pairwise ratios."""
+    bare = by["bare"]
+    pairwise = [r[key] / b[key] - 1 for r in by[variant] for b in bare if b["pair"] == r["pair"]]
+    ratio = statistics.median(r[key] for r in by[variant]) / statistics.median(r[key] for r in bare)
+    low, high = median_interval(pairwise)
+    cells = [
+        f"{ratio - 1:+.2%}",
+        f"{statistics.median(pairwise):+.2%} [{low:+.1%}, {high:+.1%}]",
+    ]
+    if span:
+        cells.append(f"{min(pairwise):+.1%}..{max(pairwise):+.1%}")
+    return " ".join(f"{c} |" for c in cells)
 
 
 def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
