@@ -3,8 +3,10 @@
 Each record is ``{"time": <unix seconds>, "kind": ..., "step": ..., **payload}``. Each line
 goes to the OS in one unbuffered write as it is written (a killed process loses nothing the OS
 has seen) and is fsync'd on ``flush()``, ``close()`` and at most every ``fsync_interval_s``
-seconds while writing. A process killed mid-line leaves a torn last line: readers skip it, and
-a writer reopening the file starts its first record on a line of its own.
+seconds while writing: that periodic fsync runs on a sync thread of the log's own (started by
+the first one due), so a writer (the training thread) never waits for the disk. A process
+killed mid-line leaves a torn last line: readers skip it, and a writer reopening the file starts
+its first record on a line of its own.
 
 I/O never raises out of ``write``, ``flush`` or ``close`` (the training loop must survive a
 full disk): a record the disk refuses (ENOSPC, EIO, ...) is dropped whole (a partly written
@@ -79,7 +81,11 @@ class EventLog:
         self._file = open(self.path, "a+b", buffering=0)  # noqa: SIM115 - lives as long as the log
         self._fd = self._file.fileno()
         self._needs_newline = self._ends_mid_line()  # a torn line to terminate first
-        self._last_fsync = time.monotonic()
+        self._last_fsync = time.monotonic()  # when the latest fsync was due (or done)
+        self._sync_lock = threading.Lock()  # one fsync at a time; close waits for the sync thread
+        self._sync_due = threading.Event()  # set by a writer: the sync thread fsyncs
+        self._syncer: threading.Thread | None = None
+        self._closing = False
         self._failure: OSError | None = None  # the first error of the current failing period
         self._failure_step = -1
         self._dropped_in_failure = 0
@@ -129,7 +135,9 @@ class EventLog:
         """fsync everything written so far (records reach the OS as they are written)."""
         with self._lock:
             if not self._file.closed:
-                self._sync()
+                with self._sync_lock:
+                    self._sync()
+                self._last_fsync = time.monotonic()
 
     def close(self) -> None:
         """Name a pending write failure if the disk takes it now, fsync and close."""
@@ -138,11 +146,14 @@ class EventLog:
                 return
             if self._failure is not None:
                 self._append(self._failure_line(), self._failure_step)
-            self._sync()
-            try:
-                self._file.close()
-            except OSError as exc:  # the descriptor is released even when close reports EIO
-                log.error("event log %s: close failed: %s", self.path, exc)
+            with self._sync_lock:  # the sync thread never touches a closed descriptor
+                self._closing = True
+                self._sync_due.set()  # it wakes, sees the log closing and ends
+                self._sync()
+                try:
+                    self._file.close()
+                except OSError as exc:  # the descriptor is released even when close says EIO
+                    log.error("event log %s: close failed: %s", self.path, exc)
 
     def __enter__(self) -> EventLog:
         return self
@@ -208,11 +219,31 @@ class EventLog:
             self._needs_newline = True
 
     def _maybe_fsync(self) -> None:
-        if time.monotonic() - self._last_fsync >= self.fsync_interval_s:
-            self._sync()
+        """Hand an fsync to the sync thread when the latest is ``fsync_interval_s`` old."""
+        now = time.monotonic()
+        if now - self._last_fsync < self.fsync_interval_s:
+            return
+        self._last_fsync = now
+        self._sync_due.set()
+        if self._syncer is None:
+            name = f"mechwatch-eventlog-sync {self.path.name}"
+            self._syncer = threading.Thread(target=self._sync_loop, name=name, daemon=True)
+            self._syncer.start()
+
+    def _sync_loop(self) -> None:
+        """The sync thread: one fsync per request (requests that come during one are merged),
+        until the log closes."""
+        while True:
+            self._sync_due.wait()
+            self._sync_due.clear()
+            with self._sync_lock:
+                if self._closing:
+                    return
+                self._sync()
 
     def _sync(self) -> None:
-        """fsync; a failure is logged once (until a sync works again), never raised."""
+        """fsync, under ``_sync_lock``; a failure is logged once (until a sync works again),
+        never raised."""
         try:
             os.fsync(self._fd)
         except OSError as exc:
@@ -221,7 +252,6 @@ class EventLog:
                 self._sync_failed = True
         else:
             self._sync_failed = False
-        self._last_fsync = time.monotonic()
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,9 @@ def test_fsync_at_most_every_interval(tmp_path: Path, monkeypatch: pytest.Monkey
 
     calls: list[int] = []
     real_fsync = eventlog.os.fsync
-    monkeypatch.setattr(eventlog.os, "fsync", lambda fd: calls.append(fd) or real_fsync(fd))
+    monkeypatch.setattr(
+        eventlog.os, "fsync", lambda fd: calls.append(threading.get_ident()) or real_fsync(fd)
+    )
     clock = [100.0]
     monkeypatch.setattr(eventlog.time, "monotonic", lambda: clock[0])
     log = EventLog(tmp_path / "e.jsonl", fsync_interval_s=5.0)
@@ -103,14 +106,21 @@ def test_fsync_at_most_every_interval(tmp_path: Path, monkeypatch: pytest.Monkey
         log.write("metric", 1)
     assert calls == []  # 0 s elapsed since open
     clock[0] += 5.0
-    log.write("metric", 2)
-    assert len(calls) == 1
+    log.write("metric", 2)  # due: the sync thread fsyncs, the writer does not wait for it
+    deadline = time.perf_counter() + 10.0
+    while not calls and time.perf_counter() < deadline:
+        time.sleep(0.005)
+    assert len(calls) == 1 and calls[0] != threading.get_ident()  # not on the writer's thread
     log.write("metric", 3)
+    time.sleep(0.05)
     assert len(calls) == 1
     log.flush()
     assert len(calls) == 2
     log.close()
     assert len(calls) == 3
+    assert log._syncer is not None
+    log._syncer.join(timeout=5.0)
+    assert not log._syncer.is_alive()  # the sync thread ends with the log
 
 
 def test_secrets_never_reach_the_file(tmp_path: Path) -> None:
