@@ -20,6 +20,11 @@ drift well before the collapse)
   after the loss damage began (a loss spike, rise or non-finite loss): the attention fault
   has damaged the run, and a router collapse that only then begins is its downstream effect
   (the onset here, so that two mechanisms that began before the damage stay ``combined``), or
+- when the other mechanism family is already a cause of the incident and it fired at or
+  after the loss diverged (critical loss evidence: ``loss_diverged``, a non-finite loss):
+  once the run has diverged every mechanism is disturbed, and a collapse that first fires
+  then cannot be told from the divergence's effect, whatever its onset says (a rate
+  detector's onset reaches back into the drift the damage started), or
 - when it began (its onset) after the loss jumped (a loss alert of an abrupt detector, a
   z-score spike: ``Detector.abrupt``): a mechanism fault that writes a bias into the weights
   step after step moves the loss gradually and after the mechanism, never in one jump before
@@ -133,6 +138,7 @@ def _is_consequence(
     controls = _systemic_onset(evidence, CONTROL_METRICS)
     loss = _systemic_onset(evidence, LOSS_METRICS)
     jump = _systemic_onset(evidence, LOSS_METRICS, abrupt_only=True)
+    diverged = _diverged(evidence)
     onset = e.onset_step if e.onset_step is not None else began
     other_is_cause = bool(causes & (set(MECHANISM_FAMILIES) - {e.family}))
     return (
@@ -140,7 +146,19 @@ def _is_consequence(
         or (jump is not None and onset > jump)
         or (loss is not None and began >= loss + lag)
         or (loss is not None and other_is_cause and onset >= loss)
+        or (diverged is not None and other_is_cause and began >= diverged)
     )
+
+
+def _diverged(evidence: list[Evidence]) -> int | None:
+    """When the loss diverged: the first firing step of the incident's critical loss evidence
+    (a diverged or non-finite loss); None without any."""
+    steps = [
+        e.fired_step
+        for e in evidence
+        if e.family == "symptom" and e.metric in LOSS_METRICS and e.severity == "critical"
+    ]
+    return min(steps, default=None)
 
 
 def _with_held(firing: list[Evidence], held: list[Evidence]) -> list[Evidence]:

@@ -153,6 +153,45 @@ def test_the_other_mechanism_after_the_loss_damage_of_an_open_incident_is_a_cons
     assert fresh.open.family == "router_instability"
 
 
+def _diverged(fired: int, onset: int) -> Evidence:
+    """``loss_diverged``: critical loss evidence (the EMA half a nat above its best)."""
+    return dataclasses.replace(_loss("loss_diverged", onset), severity="critical", fired_step=fired)
+
+
+def test_the_other_mechanism_that_first_fires_after_the_divergence_is_a_consequence():
+    """The bigger model's FA fault (held-out seed 102): QK fired at 655, the loss rise at 670
+    (onset 656), the loss diverged at 729; the router collapse fired at 750 with an onset (640)
+    before the loss damage began, so neither the onset nor the lag calls it a consequence:
+    that it fired after the divergence does."""
+    fa = _alert("qk", "fa_precision", onset=600, fired=655)
+    router = _alert("router", "router_instability", onset=640, layer="g0", fired=750)
+    rise = dataclasses.replace(_loss("loss_rise", onset=656), fired_step=670)
+    att = Attributor(RunContext(run_name="r"))
+    att.update(655, [fa])
+    att.update(670, [fa, rise])
+    att.update(730, [fa, rise, _diverged(729, 700)])
+    events = att.update(750, [fa, rise, _diverged(729, 700), router])
+    assert att.open.family == "fa_precision" and [e.kind for e in events] == ["updated"]
+    assert {e.rule: e.consequence for e in att.open.evidence} == {
+        "qk": False,
+        "loss_rise": False,
+        "loss_diverged": False,
+        "router": True,
+    }
+    # Fired before the divergence: a second cause (combined), as without the divergence.
+    early = dataclasses.replace(router, fired_step=725)
+    before = Attributor(RunContext(run_name="r"))
+    before.update(655, [fa])
+    before.update(670, [fa, rise])
+    before.update(725, [fa, rise, early])
+    assert before.open.family == "combined"
+    # Without a mechanism cause, the divergence alone writes nothing off (the lag rule does).
+    alone = Attributor(RunContext(run_name="r"))
+    alone.update(730, [rise, _diverged(729, 700)])
+    alone.update(750, [rise, _diverged(729, 700), router])
+    assert alone.open.family == "router_instability"
+
+
 def test_two_mechanisms_that_began_before_any_loss_damage_are_combined():
     att = Attributor(RunContext(run_name="r"))
     fa = _alert("qk", "fa_precision", onset=500, fired=550)
