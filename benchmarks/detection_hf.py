@@ -114,8 +114,10 @@ def build(seed: int, attention: EmulatedAttention) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
 
-def run(scenario: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
-    """One whole run with the default agent (detect-only); its losses and replayed decisions."""
+def run(
+    scenario: str, seed: int, steps: int, run_dir: Path, fault_start: int = FAULT_START
+) -> dict[str, Any]:
+    """One whole run with the default agent (detect-only): its per-step losses and wall time."""
     from agent.agent import Agent
     from agent.testbed.attention import AttentionFault
     from agent.testbed.supervised import default_agent_config
@@ -139,9 +141,9 @@ def run(scenario: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
-        if step == FAULT_START and scenario in FA_BITS:
+        if step == fault_start and scenario in FA_BITS:
             attention.fault = AttentionFault(sites=("dS",), bits=FA_BITS[scenario], mode="floor")
-        if step == FAULT_START and scenario == "router_x30_nobal":
+        if step == fault_start and scenario == "router_x30_nobal":
             optimizer.param_groups[1]["lr_mult"] = 30.0
             model.config.router_aux_loss_coef = 0.0
             model.router_aux_loss_coef = 0.0
