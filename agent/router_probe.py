@@ -67,7 +67,10 @@ class RouterProbe:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked = False  # the first read-out named the routers without data
         self._capture: dict[int, int] = {}  # router index -> step of the stats to capture
-        self._captured: dict[int, tuple[int, torch.Tensor]] = {}  # -> (step, (2,) stats)
+        self._captured: dict[int, tuple[int, torch.Tensor]] = {}  # -> (step, (3,) stats)
+        # Each router's weight (E, d) at its last ``weight_stats``, in the work dtype: the
+        # start of the next read-out's update (None: none yet, or the run restarted).
+        self._previous: list[torch.Tensor | None] = [None] * len(sites)
         self.errors: list[str] = []
 
     def attach(self) -> None:
@@ -175,17 +178,34 @@ class RouterProbe:
             return None
 
     def reset(self) -> None:
-        """Drop what the hooks buffered (the run continues from another state)."""
+        """Drop what the hooks buffered and the weights of the last read-out (the run
+        continues from another state: an update across the jump would be no update)."""
         for buffer in self._buffers:
             buffer.reset()
+        self._previous = [None] * len(self.sites)
 
     def weight_stats(self, index: int) -> torch.Tensor:
-        """(2,) on the device: the conditioning ratio and the expert similarity of router
-        ``index``'s weight as it is now (the whole [E, d] weight)."""
+        """(3,) on the device: the conditioning ratio, the expert similarity and the relative
+        update of router ``index``'s weight as it is now (the whole [E, d] weight)."""
         weight = self.sites[index].weight().detach()
         eps = router_conditioning_ratio(weight).reshape(1)
         sim = router_similarity(weight).reshape(1)
-        return torch.cat([eps, sim])
+        return torch.cat([eps, sim, self._update_rel_norm(index, weight).to(eps.dtype)])
+
+    def _update_rel_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:
+        """(1,) ||W - W_prev||_F / ||W||_F since the router's last ``weight_stats`` (one
+        read-out: ``router.every`` steps), NaN the first time; keeps W for the next one (a
+        copy into a buffer allocated once)."""
+        w = weight.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
+        previous = self._previous[index]
+        if previous is None or previous.shape != w.shape or previous.device != w.device:
+            self._previous[index] = w.clone()
+            return torch.full((1,), math.nan, dtype=w.dtype, device=w.device)
+        norm = torch.linalg.vector_norm(w)
+        moved = torch.linalg.vector_norm(w - previous)
+        previous.copy_(w)
+        rel = moved / torch.where(norm > 0, norm, torch.ones_like(norm))
+        return torch.where(norm > 0, rel, torch.full_like(rel, math.nan)).reshape(1)
 
     def capture_weight_stats(self, index: int, step: int) -> None:
         """Compute ``weight_stats(index)`` in the next training forward, where a sharded
@@ -193,7 +213,7 @@ class RouterProbe:
         self._capture[index] = step
 
     def take_captured(self, index: int) -> tuple[int, torch.Tensor] | None:
-        """(step, (2,) stats) captured since the last call, or None."""
+        """(step, (3,) stats) captured since the last call, or None."""
         return self._captured.pop(index, None)
 
     def check_silent(self) -> None:
@@ -230,7 +250,7 @@ class RouterProbe:
         host = [r.cpu().tolist() for r in host_rows]  # the one synchronization of this read
         out: list[Sample] = []
         for site, values in zip(names, host, strict=True):
-            out += router_samples(step, site, values[:-2], (step, values[-2], values[-1]))
+            out += router_samples(step, site, values[:-3], (step, *values[-3:]))
         return out
 
 
@@ -248,11 +268,12 @@ def router_samples(
     step: int,
     site: RouterSite,
     sums: list[float],
-    stats: tuple[int, float, float] | None,
+    stats: tuple[int, float, float, float] | None,
 ) -> list[Sample]:
     """One router's samples at read-out ``step`` from its sums (``RouterProbe.take``: the
-    running sums, then the summed load) and its weight stats ``(step, eps, similarity)``
-    (None: none this time); nothing when no forward was counted."""
+    running sums, then the summed load) and its weight stats ``(step, eps, similarity,
+    relative update)`` (None: none this time; a NaN update: none yet); nothing when no
+    forward was counted."""
     n = sums[_ROUTER_SUMS - 1]
     if n <= 0:
         return []
@@ -270,9 +291,11 @@ def router_samples(
         Sample.make(step, m.ROUTER_DEAD_EXPERTS, sum(1 for x in load if x == 0), **lab),
     ]
     if stats is not None:
-        at, eps, sim = stats
+        at, eps, sim, update = stats
         out += [
             Sample.make(at, m.ROUTER_EPS, eps, **lab),
             Sample.make(at, m.ROUTER_SIMILARITY, sim, **lab),
         ]
+        if math.isfinite(update):
+            out.append(Sample.make(at, m.ROUTER_UPDATE_REL_NORM, update, **lab))
     return out

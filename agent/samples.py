@@ -32,6 +32,8 @@ ROUTER_LOAD_MAX = "router_load_max"  # largest top-k load fraction
 ROUTER_LOAD_ENTROPY = "router_load_entropy"  # entropy of the load distribution (nats)
 ROUTER_MARGIN = "router_margin"  # mean top-1 minus top-2 probability
 ROUTER_DEAD_EXPERTS = "router_dead_experts"  # experts that received no token
+# ||W - W_prev||_F / ||W||_F of the router weight over one read-out (router.every steps)
+ROUTER_UPDATE_REL_NORM = "router_update_rel_norm"
 LOSS = "loss"
 LOSS_NONFINITE = "loss_nonfinite"  # 1.0 when the loss is NaN or inf, else 0.0
 GRAD_NORM = "grad_norm"

@@ -147,7 +147,12 @@ def test_fsdp_measures_exactly_what_ddp_measures(ddp, sharded):
     a, b = _samples(ddp["fault:ddp:spike"][0]), _samples(sharded["fault:fsdp:spike"][0])
     early = [k for k in a if k[0] <= 20]
     assert len(early) > 300
-    assert {k[1] for k in early} >= {"router_eps", "qk_delta2_entropy", "control_update_entropy"}
+    assert {k[1] for k in early} >= {
+        "router_eps",
+        "router_update_rel_norm",
+        "qk_delta2_entropy",
+        "control_update_entropy",
+    }
     assert all(a[k] == b[k] for k in early)
 
 

@@ -180,3 +180,36 @@ def test_a_plain_linear_router_is_read_from_its_output() -> None:
     assert _values(samples, m.ROUTER_ENTROPY) == [pytest.approx(want, rel=1e-12)]
     probe.detach()
     assert not model.mlp.gate._forward_hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_relative_update_is_the_weights_move_between_read_outs(dtype: torch.dtype) -> None:
+    """router_update_rel_norm = ||W_t - W_prev||_F / ||W_t||_F between two read-outs; none at
+    the first read-out and none right after a restart (the update would cross the jump)."""
+    model = Model("longcat").to(dtype)
+    (site,) = find_routers(model)
+    probe = RouterProbe([site])
+    probe.attach()
+    x = torch.randn(2, T // 2, D, dtype=dtype)
+    weight = site.weight()
+
+    def read_out(step: int) -> list[float]:
+        model(x)
+        return _values(probe.read(step=step), m.ROUTER_UPDATE_REL_NORM)
+
+    assert read_out(25) == []  # nothing to compare with yet
+    before = weight.detach().double().clone()
+    with torch.no_grad():
+        weight.add_(torch.randn_like(weight) * 0.01)
+        weight[0].mul_(3.0)
+    after = weight.detach().double()
+    want = float((after - before).norm() / after.norm())
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert read_out(50) == [pytest.approx(want, rel=tol)]
+    assert read_out(75) == [pytest.approx(0.0, abs=tol)]  # it did not move
+    probe.reset()
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert read_out(100) == []  # a restart: no update across it
+    assert read_out(125) == [pytest.approx(0.0, abs=tol)]
+    probe.detach()

@@ -9,7 +9,8 @@ At a read-out step every rank packs its local values into one float64 vector lai
              loss sum, loss count, given grad-norm sum, its count,
              this rank's share of the squared grad norm, its count
     routers  per router: its running sums and summed load (``RouterProbe.take``), then the
-             weight statistics eps, similarity and the step they describe (-1: none here)
+             weight statistics eps, similarity and relative update, and the step they
+             describe (-1: none here)
 
 The vectors are gathered (one ``all_gather``; at a QK apply step they travel in the
 ``all_gather_object`` that carries the QK samples) and ``merge`` turns the (world, K) matrix
@@ -59,7 +60,7 @@ class Layout:
     routers: bool  # router read-out due at this step
 
     def router_width(self, j: int) -> int:
-        return ROUTER_SUMS + self.experts[j] + 3
+        return ROUTER_SUMS + self.experts[j] + 4
 
     @property
     def symptoms_at(self) -> int:
@@ -198,10 +199,10 @@ def _routers(rows: list[list[float]], layout: Layout, routers: list[RouterSite])
     at = layout.routers_at
     for j, site in enumerate(routers):
         width = layout.router_width(j)
-        sums = [sum(row[at + i] for row in ok) for i in range(width - 3)]
+        sums = [sum(row[at + i] for row in ok) for i in range(width - 4)]
         stats = next(
             (
-                (int(row[at + width - 1]), row[at + width - 3], row[at + width - 2])
+                (int(row[at + width - 1]), *row[at + width - 4 : at + width - 1])
                 for row in ok
                 if row[at + width - 1] >= 0
             ),

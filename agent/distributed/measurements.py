@@ -194,7 +194,7 @@ class DistributedMeasurements(Measurements):
             if stats is None:
                 out.append((at + width - 1, -1.0))
             else:
-                out += [(at + width - 3, stats[1]), (at + width - 1, float(stats[0]))]
+                out += [(at + width - 4, stats[1]), (at + width - 1, float(stats[0]))]
             at += width
         return out
 

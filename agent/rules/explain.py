@@ -61,6 +61,7 @@ KNOWN_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
                 "load_entropy",
                 "margin",
                 "dead_experts",
+                "update_rel_norm",
             )
         ),
         (("router",), _ROUTER),
