@@ -596,8 +596,8 @@ def test_all_errors_of_all_files_are_collected_in_file_order(tmp_path: Path):
         f"{second}:4:15: group 'fb', rule 'r', field 'name': "
         f"duplicate rule name 'r'; first defined at {first}:4:15",
         f"{second}:14:9: group 'fb', rule 's', field 'bogus': unknown field; valid fields: "
-        "name, metric, match, reduce, detector, for, keep_firing_for, clear, severity, family, "
-        "actions, start_step, cooldown, summary, suggest, enabled",
+        "name, metric, match, reduce, detector, requires, for, keep_firing_for, clear, severity, "
+        "family, actions, start_step, cooldown, summary, suggest, enabled",
         f"{tmp_path / 'missing.yaml'}: cannot read: No such file or directory",
     ]
 

@@ -6,7 +6,10 @@ rule's cursors, groups them by the labels that ``reduce.over`` keeps (the alert'
 with the rule name), reduces the values of each group per step, feeds each reduced value to
 the group's own detector, and advances the group's alert through its lifecycle (inactive ->
 pending -> firing -> inactive; ``agent.rules.alerts`` has the state machine and its exact
-timing). The condition is the detector's ``triggered``. One value fed is one evaluation, so a
+timing). The condition is the detector's ``triggered``; for a rule with ``requires``, also its
+second signal's detector triggered within ``requires.within`` steps before that point, for
+labels that agree (the second signal reads its own metric with the rule's match and reduce,
+just before the rule's own, and opens no alert of its own). One value fed is one evaluation, so a
 metric logged every step and a monitor that reports every 100 steps both count ``for: 3`` in
 their own samples; ``for: "500 steps"`` counts training steps between the pending step and now.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,6 +82,23 @@ class _Group:
     last_fed_step: int | None = None
 
 
+# Steps at which a second signal triggered, kept per group (the newest; enough for any
+# batch of points read at once at the agent's cadences).
+_TRIGGERED_KEPT = 64
+
+
+@dataclass
+class _ConditionGroup:
+    """One group of a rule's second signal (``requires``): its detector and when it
+    triggered."""
+
+    detector: DetectorProtocol
+    triggered: deque[int] = field(default_factory=lambda: deque(maxlen=_TRIGGERED_KEPT))
+
+    def held(self, step: int, within: int) -> bool:
+        return any(0 <= step - t <= within for t in self.triggered)
+
+
 @dataclass
 class _RuleRuntime:
     rule: Rule
@@ -85,6 +106,9 @@ class _RuleRuntime:
     seen_version: int = -1
     groups: dict[Labels, _Group] = field(default_factory=dict)
     matched: dict[Labels, bool] = field(default_factory=dict)  # matcher results, cached
+    # The second signal (``requires``): its cursors and groups, read like the rule's own.
+    condition_cursors: dict[Labels, int] = field(default_factory=dict)
+    condition_groups: dict[Labels, _ConditionGroup] = field(default_factory=dict)
 
     def accepts(self, labels: Labels) -> bool:
         hit = self.matched.get(labels)
@@ -116,6 +140,7 @@ class RuleEngine:
             self._store_epoch = self.store.epoch
             for runtime in self._runtimes.values():
                 runtime.cursors.clear()
+                runtime.condition_cursors.clear()
                 runtime.seen_version = -1
         transitions: list[AlertTransition] = []
         for runtime in self._runtimes.values():
@@ -124,6 +149,8 @@ class RuleEngine:
                 continue  # nothing new for this metric: the common, cheap path
             runtime.seen_version = version
             errors: list[str] = []
+            if runtime.rule.requires is not None:
+                self._read_condition(runtime, errors)
             try:
                 new, advanced = self.store.read_new(
                     runtime.rule.metric, runtime.accepts, runtime.cursors
@@ -167,8 +194,50 @@ class RuleEngine:
         alert.baseline = detector.baseline
         alert.statistic = detector.statistic
         alert.direction = detector.direction
-        condition = bool(detector.triggered)
+        condition = bool(detector.triggered) and self._second_signal_held(
+            runtime, group_labels, step
+        )
         advance(runtime.rule, alert, condition, detector.onset_step, step, eval_step, now, out)
+
+    def _read_condition(self, runtime: _RuleRuntime, errors: list[str]) -> None:
+        """Feed the rule's second signal (``requires``) everything new, per group."""
+        requires = runtime.rule.requires
+        assert requires is not None
+        try:
+            new, advanced = self.store.read_new(
+                requires.metric, runtime.accepts, runtime.condition_cursors
+            )
+            runtime.condition_cursors.update(advanced)
+            batches = _reduce_by_group(runtime.rule, new)
+        except Exception as e:
+            errors.append(_describe_error(e))
+            return
+        for group_labels, points in batches.items():
+            group = runtime.condition_groups.get(group_labels)
+            if group is None:
+                detector = self._catalog.build(requires.detector.type, requires.detector.params)
+                group = runtime.condition_groups[group_labels] = _ConditionGroup(detector)
+            for point_step, value in points:
+                if point_step < runtime.rule.spec.start_step:
+                    continue
+                try:
+                    if group.detector.update(point_step, value).triggered:
+                        group.triggered.append(point_step)
+                except Exception as e:
+                    errors.append(_describe_error(e))
+
+    def _second_signal_held(self, runtime: _RuleRuntime, labels: Labels, step: int) -> bool:
+        """No ``requires``, or its signal triggered within ``within`` steps up to ``step``
+        in a group whose labels agree with ``labels`` (on the names both carry)."""
+        requires = runtime.rule.requires
+        if requires is None:
+            return True
+        mine = dict(labels)
+        return any(
+            group.held(step, requires.within)
+            for other, group in runtime.condition_groups.items()
+            if all(mine.get(k, v) == v for k, v in other)
+        )
 
     def _new_group(self, rule: Rule, group_labels: Labels) -> _Group:
         detector = self._catalog.build(rule.detector.type, rule.detector.params)
@@ -254,6 +323,20 @@ class RuleEngine:
                     for labels, group in runtime.groups.items()
                 ],
             }
+            if runtime.rule.requires is not None:
+                rules[name]["condition"] = {
+                    "cursors": [
+                        [_pairs(labels), n] for labels, n in runtime.condition_cursors.items()
+                    ],
+                    "groups": [
+                        {
+                            "labels": _pairs(labels),
+                            "detector": group.detector.state_dict(),
+                            "triggered": list(group.triggered),
+                        }
+                        for labels, group in runtime.condition_groups.items()
+                    ],
+                }
         return {"version": STATE_VERSION, "store_epoch": self._store_epoch, "rules": rules}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -291,6 +374,18 @@ class RuleEngine:
             group.last_fed_step = entry["last_fed_step"]
             load_alert_state(group.alert, entry["alert"])
             runtime.groups[labels] = group
+        requires, condition = rule.requires, saved.get("condition")
+        if requires is not None and condition is not None:
+            if same_store:
+                runtime.condition_cursors = {
+                    _labels(pairs): int(n) for pairs, n in condition["cursors"]
+                }
+            for entry in condition["groups"]:
+                detector = self._catalog.build(requires.detector.type, requires.detector.params)
+                detector.load_state_dict(entry["detector"])
+                group = _ConditionGroup(detector)
+                group.triggered.extend(int(t) for t in entry["triggered"])
+                runtime.condition_groups[_labels(entry["labels"])] = group
         return runtime
 
 
@@ -331,6 +426,9 @@ def _fingerprint(rule: Rule) -> str:
             "match": rule.matcher.as_mapping(),
             "reduce": None if rule.reduce is None else rule.reduce.model_dump(),
             "detector": {"type": rule.detector.type, **rule.detector.params},
+            **(
+                {} if rule.requires is None else {"requires": rule.requires.model_dump(mode="json")}
+            ),
         },
         sort_keys=True,
         default=str,

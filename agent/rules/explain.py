@@ -90,6 +90,7 @@ def explain_rule(
     rows = [
         ("watches", _watches(rule)),
         ("detector", f"{rule.detector.type}: {_detector_words(rule)}."),
+        *([("requires", _requires(rule))] if rule.requires is not None else []),
         ("timing", _timing(rule)),
         ("means", f"{FAMILY_WORDS.get(rule.family, rule.family)}; severity {rule.severity}."),
     ]
@@ -104,6 +105,17 @@ def explain_rule(
 
 def _detector_words(rule: Rule) -> str:
     return describe_detector(rule.detector.type, rule.detector.params)
+
+
+def _requires(rule: Rule) -> str:
+    req = rule.requires
+    assert req is not None
+    words = describe_detector(req.detector.type, req.detector.params)
+    when = "at the same step" if req.within == 0 else f"within the last {req.within} steps"
+    return (
+        f"and only while {req.metric} (the same series selection, per the same labels) "
+        f"triggered {req.detector.type} {when}: {words}."
+    )
 
 
 def _watches(rule: Rule) -> str:

@@ -166,6 +166,9 @@ class _RuleSetLoader:
             self.errors += [file.pydantic_error(err, (), RuleFileSpec) for err in e.errors()]
         for rule_path, raw_rule in _raw_rules(doc.data):
             self._check_detector(file, rule_path, raw_rule)
+            requires = raw_rule.get("requires")
+            if isinstance(requires, dict):
+                self._check_detector(file, rule_path + ("requires",), requires)
             self._check_actions(file, rule_path, raw_rule)
         self._check_names(file)
         if spec is None or len(self.errors) > n_errors:
@@ -176,16 +179,20 @@ class _RuleSetLoader:
                 rule_path = ("groups", gi, "rules", ri)
                 line = doc.position_of(rule_path)[0]
                 self.rules.append(Rule.from_spec(rule_spec, group.name, path, line))
-                if rule_spec.metric not in KNOWN_METRICS:
-                    close = difflib.get_close_matches(rule_spec.metric, KNOWN_METRICS, n=1)
-                    hint = f"; did you mean '{close[0]}'?" if close else ""
-                    self.warnings.append(
-                        file.error(
-                            rule_path + ("metric",),
-                            f"metric '{rule_spec.metric}' is not produced by a built-in monitor"
-                            f"{hint} (fine if your own code logs it)",
+                metrics = [(rule_path + ("metric",), rule_spec.metric)]
+                if rule_spec.requires is not None:
+                    metrics.append((rule_path + ("requires", "metric"), rule_spec.requires.metric))
+                for metric_path, metric in metrics:
+                    if metric not in KNOWN_METRICS:
+                        close = difflib.get_close_matches(metric, KNOWN_METRICS, n=1)
+                        hint = f"; did you mean '{close[0]}'?" if close else ""
+                        self.warnings.append(
+                            file.error(
+                                metric_path,
+                                f"metric '{metric}' is not produced by a built-in monitor"
+                                f"{hint} (fine if your own code logs it)",
+                            )
                         )
-                    )
 
     def _check_detector(self, file: _FileContext, rule_path: NodePath, raw: dict) -> None:
         detector = raw.get("detector")

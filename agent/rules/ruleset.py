@@ -9,7 +9,15 @@ from typing import Generic, TypeVar
 from agent.rules.detector_catalog import DetectorCatalog
 from agent.rules.errors import RuleFileError
 from agent.rules.matchers import LabelMatcher
-from agent.rules.schema import ActionSpec, ClearSpec, DetectorSpec, Duration, ReduceSpec, RuleSpec
+from agent.rules.schema import (
+    ActionSpec,
+    ClearSpec,
+    DetectorSpec,
+    Duration,
+    ReduceSpec,
+    RequiresSpec,
+    RuleSpec,
+)
 
 T = TypeVar("T")
 
@@ -41,6 +49,7 @@ class Rule:
     metric = _SpecField[str]()
     reduce = _SpecField[ReduceSpec | None]()
     detector = _SpecField[DetectorSpec]()
+    requires = _SpecField[RequiresSpec | None]()
     for_ = _SpecField[Duration]()
     keep_firing_for = _SpecField[Duration]()
     clear = _SpecField[ClearSpec | None]()

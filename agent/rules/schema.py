@@ -254,6 +254,28 @@ class DetectorSpec(BaseModel):
         return f"{self.type}({inner})"
 
 
+class RequiresSpec(_Strict):
+    """A second, independent signal the rule's condition needs: ``metric``, selected with the
+    rule's own ``match`` and ``reduce`` (so per the same alert labels), must have triggered its
+    ``detector`` within the last ``within`` steps. It opens no alert of its own."""
+
+    metric: str = Field(description="metric name of the second signal")
+    detector: DetectorSpec = Field(description="detector type and its parameters")
+    within: Annotated[int, BeforeValidator(parse_steps)] = Field(
+        default=0,
+        ge=0,
+        description="steps: the second signal triggered at most this long before (or at) the "
+        "step the rule's own detector triggers",
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _metric_is_name(cls, metric: str) -> str:
+        if not METRIC_NAME.match(metric):
+            raise ValueError(f"invalid metric name {metric!r}")
+        return metric
+
+
 class RuleSpec(_Strict):
     """One rule: which series, which detector, how long, what it means and what to do."""
 
@@ -269,6 +291,11 @@ class RuleSpec(_Strict):
         default=None, description="combine series per step; omitted: one alert per label set"
     )
     detector: DetectorSpec = Field(description="detector type and its parameters")
+    requires: RequiresSpec | None = Field(
+        default=None,
+        description="a second signal: the condition holds only while the detector triggers "
+        "and this one triggered within 'within' steps (for the same labels)",
+    )
     for_: Annotated[InstanceOf[Duration], BeforeValidator(parse_duration)] = Field(
         default=Duration(0),
         alias="for",
