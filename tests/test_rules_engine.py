@@ -419,3 +419,59 @@ def test_evidence_of_a_jump_detector_says_abrupt():
         engine.evaluate(step, 0.0)
     (alert,) = engine.alerts()
     assert alert.state == "firing" and alert.to_evidence().abrupt is True
+
+
+REQUIRES = (
+    "        reduce: {op: mean, over: [head]}\n"
+    "        requires:\n"
+    "          metric: push\n"
+    "          detector: {type: level, level: 1.0}\n"
+    "          within: 2\n"
+)
+
+
+def _feed(store: SeriesStore, engine: RuleEngine, step: int, values: dict) -> list:
+    for (metric, layer, head), value in values.items():
+        labels = {"layer": layer} if head is None else {"layer": layer, "head": head}
+        store.append(Sample.make(step, metric, value, **labels))
+    return engine.evaluate(step, 0.0)
+
+
+def test_requires_holds_only_within_its_window_and_for_agreeing_labels():
+    """The rule (per layer, mean over heads) fires only while 'push' of the same layer (a
+    series without the head label) triggered at most 2 steps before; 'push' opens no alert."""
+    engine, store = engine_for(rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES)
+    pushes = {0: 0.0, 1: 5.0, 2: 0.0, 3: 0.0, 4: 0.0, 5: 0.0}  # layer a pushed at step 1 only
+    fired = []
+    for step in range(6):
+        x = 3.0 if step >= 2 else 0.0  # the rule's own detector triggers from step 2 on
+        values = {("x", layer, h): x for layer in "ab" for h in "01"}
+        values |= {("push", "a", None): pushes[step], ("push", "b", None): 0.0}
+        transitions = _feed(store, engine, step, values)
+        fired += [
+            (t.kind, t.step, dict(t.alert.labels)) for t in transitions if t.kind != "pending"
+        ]
+    # Layer a: pushed at 1, so the condition holds at 2 and 3 (within 2 steps) and not at 4.
+    assert fired == [
+        ("firing", 2, {"layer": "a"}),
+        ("resolved", 4, {"layer": "a"}),
+    ]
+    assert {a.rule for a in engine.alerts()} == {"hot"}  # the second signal has no alert
+
+
+def test_requires_state_round_trip_keeps_the_second_signal():
+    rule = rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES
+    engine, store = engine_for(rule)
+    _feed(store, engine, 0, {("x", "a", "0"): 0.0, ("push", "a", None): 5.0})
+    state = json.loads(json.dumps(engine.state_dict(), allow_nan=False))
+    restarted, new_store = engine_for(rule)
+    restarted.load_state_dict(state)
+    kinds = [(t.kind, t.step) for t in _feed(new_store, restarted, 1, {("x", "a", "0"): 3.0})]
+    assert kinds == [
+        ("pending", 1),
+        ("firing", 1),
+    ]  # the push of step 0 came through the saved state
+    changed = rule.replace("within: 2", "within: 0")
+    fresh, fresh_store = engine_for(changed)
+    fresh.load_state_dict(state)  # another second signal: its state starts over
+    assert _feed(fresh_store, fresh, 1, {("x", "a", "0"): 3.0}) == []

@@ -420,6 +420,25 @@ MALFORMED = [
         ["bad.yaml:9:17: group 'fa', rule 'r', field 'match.3': expected a string, got 3"],
     ),
     (
+        "requires_detector_param",
+        rule(
+            "        requires:\n          metric: router_update_rel_norm\n"
+            "          detector: {type: baseline, rel: lots}\n"
+        ),
+        [
+            "bad.yaml:11:43: group 'fa', rule 'r', field 'requires.detector.rel': expected a "
+            "number, got 'lots'"
+        ],
+    ),
+    (
+        "requires_within_negative",
+        rule(
+            "        requires: {metric: router_update_rel_norm, detector: {type: threshold, "
+            "above: 1}, within: -25}\n"
+        ),
+        ["bad.yaml:9:99: group 'fa', rule 'r', field 'requires.within': must be >= 0, got -25"],
+    ),
+    (
         "rules_not_list",
         "groups:\n  - name: fa\n    rules: {name: r}\n",
         ["bad.yaml:3:12: group 'fa', field 'rules': expected a list, got a mapping"],
