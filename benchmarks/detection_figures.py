@@ -121,15 +121,74 @@ def router_panel(root: Path, seed: int, out: Path) -> Path:
     return path
 
 
+def _push_ratio(steps: list[int], values: list[float], window: int = 8) -> list[float]:
+    """Each read-out's update over the median of the previous ``window`` (a picture of what the
+    rule's ``requires`` detector compares; it does not learn the values it triggered on)."""
+    out = []
+    for i, v in enumerate(values):
+        before = sorted(values[max(0, i - window) : i])
+        out.append(v / before[len(before) // 2] if before else float("nan"))
+    return out
+
+
+def router_push_panel(cases: list[tuple[Path, str, str]], out: Path) -> Path:
+    """Routing entropy (top) and the router's update against its recent median (bottom) for
+    ``cases`` (folder, router, label): a router that sharpens on its own and one that is pushed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for folder, router, label in cases:
+        steps, values = layer_series(folder, "router_entropy_norm", "router")[router]
+        (line,) = top.plot(steps, values, lw=1.2, label=label)
+        u_steps, u = layer_series(folder, "router_update_rel_norm", "router")[router]
+        keep = [i for i, st in enumerate(u_steps) if st >= 200]
+        ratio = _push_ratio([u_steps[i] for i in keep], [u[i] for i in keep])
+        bottom.plot([u_steps[i] for i in keep], ratio, lw=1.2, color=line.get_color())
+        alert = first_alert(folder, "router_instability")
+        if alert is not None:
+            for ax in (top, bottom):
+                ax.axvline(alert, color=line.get_color(), ls="--", lw=1)
+    top.set_yscale("log")
+    top.set_ylabel("routing entropy / ln E (log)")
+    top.legend(fontsize=7)
+    bottom.axhline(2.0, color="0.4", ls=":", lw=1, label="the rule requires x2")
+    bottom.set_ylabel("router update / its median\nof the 8 read-outs before")
+    bottom.set_xlabel("step (dashed: the router rule fired)")
+    bottom.legend(fontsize=7)
+    bottom.set_xlim(200, 2000)
+    fig.tight_layout()
+    path = out / "detection_router_push.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path("out/detection"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("docs/img"))
+    p.add_argument(
+        "--hf-root", type=Path, default=None, help="benchmarks/detection_hf.py runs (seed 7)"
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     print(fa_panels(args.root, args.seed, args.out))
     print(router_panel(args.root, args.seed, args.out))
+    if args.hf_root is not None:
+        cases = [
+            (args.hf_root / "hf_clean_s7", "model.layers.2.mlp.gate", "HF Mixtral, healthy"),
+            (
+                args.hf_root / "hf_router_x30_nobal_s7",
+                "model.layers.0.mlp.gate",
+                "HF Mixtral, router LR x30 from 500",
+            ),
+            (args.root / f"router_x3_s{args.seed}", "blocks.0.moe.gate", "test bed, router LR x3"),
+        ]
+        print(router_push_panel(cases, args.out))
     return 0
 
 
