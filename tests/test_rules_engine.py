@@ -475,3 +475,14 @@ def test_requires_state_round_trip_keeps_the_second_signal():
     fresh, fresh_store = engine_for(changed)
     fresh.load_state_dict(state)  # another second signal: its state starts over
     assert _feed(fresh_store, fresh, 1, {("x", "a", "0"): 3.0}) == []
+
+
+def test_requires_forgets_the_second_signal_of_an_abandoned_future():
+    """After a rollback (steps go back), a push measured on the abandoned path no longer
+    counts: the collapse at step 3 of the new path needs a push of its own."""
+    engine, store = engine_for(rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES)
+    _feed(store, engine, 2, {("x", "a", "0"): 0.0, ("push", "a", None): 5.0})  # abandoned
+    _feed(store, engine, 1, {("x", "a", "0"): 0.0, ("push", "a", None): 0.0})  # rolled back
+    assert _feed(store, engine, 3, {("x", "a", "0"): 3.0, ("push", "a", None): 0.0}) == []
+    pushed = _feed(store, engine, 4, {("x", "a", "0"): 3.0, ("push", "a", None): 5.0})
+    assert [t.kind for t in pushed] == ["pending", "firing"]

@@ -220,6 +220,8 @@ class RuleEngine:
             for point_step, value in points:
                 if point_step < runtime.rule.spec.start_step:
                     continue
+                while group.triggered and group.triggered[-1] >= point_step:
+                    group.triggered.pop()  # a rollback: that future was abandoned
                 try:
                     if group.detector.update(point_step, value).triggered:
                         group.triggered.append(point_step)
