@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -53,6 +54,15 @@ assert set(SeverityName.__args__) == set(SEVERITIES), "schema.SeverityName out o
 
 RULE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$")
 METRIC_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
+
+
+def _check_metric_name(metric: str) -> str:
+    if not METRIC_NAME.match(metric):
+        raise ValueError(f"invalid metric name {metric!r}")
+    return metric
+
+
+MetricName = Annotated[str, AfterValidator(_check_metric_name)]
 _DURATION = re.compile(r"^\s*(-?\d+)\s*(steps?|evaluations?|evals?)\s*$")
 
 
@@ -259,7 +269,7 @@ class RequiresSpec(_Strict):
     rule's own ``match`` and ``reduce`` (so per the same alert labels), must have triggered its
     ``detector`` within the last ``within`` steps. It opens no alert of its own."""
 
-    metric: str = Field(description="metric name of the second signal")
+    metric: MetricName = Field(description="metric name of the second signal")
     detector: DetectorSpec = Field(description="detector type and its parameters")
     within: Annotated[int, BeforeValidator(parse_steps)] = Field(
         default=0,
@@ -268,13 +278,6 @@ class RequiresSpec(_Strict):
         "step the rule's own detector triggers",
     )
 
-    @field_validator("metric")
-    @classmethod
-    def _metric_is_name(cls, metric: str) -> str:
-        if not METRIC_NAME.match(metric):
-            raise ValueError(f"invalid metric name {metric!r}")
-        return metric
-
 
 class RuleSpec(_Strict):
     """One rule: which series, which detector, how long, what it means and what to do."""
@@ -282,7 +285,9 @@ class RuleSpec(_Strict):
     name: str = Field(
         description="unique name across all loaded files; the alert's identity with its labels"
     )
-    metric: str = Field(description="metric name, see agent/samples.py (custom metrics allowed)")
+    metric: MetricName = Field(
+        description="metric name, see agent/samples.py (custom metrics allowed)"
+    )
     match: dict[str, Annotated[InstanceOf[LabelPattern], BeforeValidator(_parse_pattern)]] = Field(
         default_factory=dict,
         description="label -> glob or '~regex' (whole value); a series must carry each label",
@@ -342,13 +347,6 @@ class RuleSpec(_Strict):
                 f"invalid rule name {name!r}; use letters, digits, '_', '.', ':' or '-'"
             )
         return name
-
-    @field_validator("metric")
-    @classmethod
-    def _metric_is_name(cls, metric: str) -> str:
-        if not METRIC_NAME.match(metric):
-            raise ValueError(f"invalid metric name {metric!r}")
-        return metric
 
     @field_validator("summary", "suggest")
     @classmethod
