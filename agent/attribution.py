@@ -20,11 +20,14 @@ drift well before the collapse)
   after the loss damage began (a loss spike, rise or non-finite loss): the attention fault
   has damaged the run, and a router collapse that only then begins is its downstream effect
   (the onset here, so that two mechanisms that began before the damage stay ``combined``), or
-- when the other mechanism family is already a cause of the incident and it fired at or
-  after the loss diverged (critical loss evidence: ``loss_diverged``, a non-finite loss):
-  once the run has diverged every mechanism is disturbed, and a collapse that first fires
-  then cannot be told from the divergence's effect, whatever its onset says (a rate
-  detector's onset reaches back into the drift the damage started), or
+- when it fired at or after the loss diverged (critical loss evidence: ``loss_diverged``, a
+  non-finite loss): once the run has diverged every mechanism is disturbed, and a collapse
+  that first fires then cannot be told from the divergence's effect, whatever its onset says
+  (a rate detector's onset reaches back into the drift the damage started). This holds for
+  the first mechanism of an incident too: a data shift that throws the loss half a nat up
+  at once is followed by routers re-sharpening on the new data (an HF Mixtral: the router
+  rule fired 15 to 40 steps after the loss diverged, with an onset 25 to 75 steps before the
+  jump), or
 - when it began (its onset) after the loss jumped (a loss alert of an abrupt detector, a
   z-score spike: ``Detector.abrupt``): a mechanism fault that writes a bias into the weights
   step after step moves the loss gradually and after the mechanism, never in one jump before
@@ -146,7 +149,7 @@ def _is_consequence(
         or (jump is not None and onset > jump)
         or (loss is not None and began >= loss + lag)
         or (loss is not None and other_is_cause and onset >= loss)
-        or (diverged is not None and other_is_cause and began >= diverged)
+        or (diverged is not None and began >= diverged)
     )
 
 

@@ -4,7 +4,7 @@ over 2 KV heads, 4 experts top-2: GQA attention, RoPE, a real HF router), traine
 hidden-Markov language (not the test bed's Markov chains), with the default ``Agent`` inside
 the loop in detect-only mode.
 
-    python benchmarks/detection_hf.py [--seeds 7] [--steps 2000] [--out FILE]
+    python benchmarks/detection_hf.py [--seeds 7] [--steps 2000] [--rules FILES...] [--out FILE]
 
 Scenarios per seed: ``clean``; ``data_shift`` (batches from another HMM from step 1000: a
 benign change); ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS rounded towards
@@ -14,7 +14,8 @@ transformers that runs the test bed's emulated arithmetic; nothing else changes)
 run of the seed is each fault's twin. Every run is printed: the first mechanism alert and its
 family, the incident's family at the first page and at the end, the loss detectors people use
 today on the same losses, the twin's degradation step and the divergence. One process at a
-time, one torch thread. With ``--root``, runs already there (``result.json``) are reused.
+time, one torch thread. With ``--root``, runs already there (``result.json``) are reused;
+``--rules`` replays them through other rule files than the shipped packs (to try a rule).
 """
 
 from __future__ import annotations
@@ -162,7 +163,14 @@ def run(
     return {"losses": losses, "wall_s": time.perf_counter() - t0}
 
 
-def evaluate(scenario: str, seed: int, result: dict, twin: list[float] | None, events: Path):
+def evaluate(
+    scenario: str,
+    seed: int,
+    result: dict,
+    twin: list[float] | None,
+    events: Path,
+    rules: list[Path] | None = None,
+):
     from agent.attribution import MECHANISM_FAMILIES
     from agent.replay import replay
     from agent.testbed.divergence import degradation_step, divergence_step
@@ -171,7 +179,7 @@ def evaluate(scenario: str, seed: int, result: dict, twin: list[float] | None, e
 
     fault = scenario not in ("clean", "data_shift")
     start = FAULT_START if fault else (SHIFT_STEP if scenario == "data_shift" else 100)
-    replayed = replay(events, None, action_validator=validate_action)
+    replayed = replay(events, rules, action_validator=validate_action)
     first = replayed.first_firing()
     mech = {f: first[f] for f in MECHANISM_FAMILIES if f in first}
     losses = result["losses"]
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--root", type=Path, default=None, help="keep the runs' event logs here")
+    p.add_argument(
+        "--rules", type=Path, nargs="+", default=None, help="replay with these rule files"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -252,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                 if scenario not in args.scenarios:
                     continue
                 twin = results["clean"]["losses"] if scenario != "clean" else None
-                row = evaluate(scenario, seed, results[scenario], twin, folder / "events.jsonl")
+                row = evaluate(
+                    scenario, seed, results[scenario], twin, folder / "events.jsonl", args.rules
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:

@@ -15,6 +15,13 @@ Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
    the median of the pairwise ratios (each run against the bare run of its round, which
    cancels a drift of the machine between rounds), with the range of the pairwise ratios.
 2. Where the time goes: ``Agent.costs()`` of the agent runs (``agent/costs.py``), per step.
+   The monitor thread's cost to the training loop is not its CPU time (it runs on another
+   core) but what it slows the training thread down by (the interpreter lock, caches, memory
+   bandwidth). That is measured inside each agent run, where the machine's drift cancels: the
+   wall time of every training step (``run.step()``, the model's forward, backward and
+   optimizer step, not ``agent.step``) against the share of it during which a monitor job ran
+   (the jobs' wall intervals, timed around ``MonitorThread.submit``'s function), fitted as
+   step = idle + slope x busy share; the contention per step is slope x the mean busy share.
 3. Frontier shape: one attention layer with d = 4096, 32 query heads of d_h = 128 and 8 KV heads
    (GQA), measured through the agent's own probe code (snapshot + compute_qk_samples) for all
    heads and for the sampled subset, extrapolated to 32 layers with the default and a sampled
@@ -31,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,30 +70,96 @@ def child(variant: str, steps: int) -> dict:
     from agent.testbed.scenarios import ScenarioConfig  # noqa: PLC0415
 
     imported = time.perf_counter() - t0
+    jobs: list[tuple[float, float]] = []  # monitor jobs' wall intervals (perf_counter, s)
+    steps_timed: list[tuple[float, float]] = []  # training steps' wall intervals
+    untime = _time_monitor_jobs(jobs) if variant != "bare" else lambda: None
     with tempfile.TemporaryDirectory() as run_dir:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         scenario = ScenarioConfig.preset("clean", seed=0, steps=steps + 1)
         run = TestbedRun(scenario, record_monitors=False)  # the bare loop: no test-bed monitors
         agent = None
+        construct_s = close_s = 0.0
         if variant != "bare":
             config = AgentConfig(run_dir=run_dir, **SETTINGS.get(variant, {}))
+            built = time.perf_counter()
             agent = Agent(run.model, run.optimizer, run.scheduler, config)
+            construct_s = time.perf_counter() - built
         give_norm = variant == "agent, grad norm given"
         for step in range(steps):
+            start = time.perf_counter()
             loss = run.step()
+            steps_timed.append((start, time.perf_counter()))
             if agent is not None:
                 agent.step(step, loss=loss, grad_norm=run.last_grad_norm if give_norm else None)
         costs = {}
         if agent is not None:
+            closing = time.perf_counter()
             agent.close()
+            close_s = time.perf_counter() - closing
             costs = agent.costs()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    untime()
     return {
         "variant": variant,
         "wall_s": wall,
         "train_cpu_s": cpu,
         "import_s": imported,
         "costs": costs,
+        "construct_s": construct_s,
+        "close_s": close_s,
+        "contention": step_contention(steps_timed, jobs),
+    }
+
+
+def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], None]:
+    """Record the wall interval of every job the agent hands to its monitor thread (this
+    benchmark's instrumentation: ``MonitorThread.submit`` wrapped before the agent is built);
+    returns what undoes it."""
+    from agent.monitor_thread import MonitorThread  # noqa: PLC0415
+
+    submit = MonitorThread.submit
+
+    def timed_submit(self: MonitorThread, fn):  # noqa: ANN001, ANN202
+        def timed():  # noqa: ANN202
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                intervals.append((start, time.perf_counter()))
+
+        return submit(self, timed)
+
+    MonitorThread.submit = timed_submit  # type: ignore[method-assign]
+
+    def untime() -> None:
+        MonitorThread.submit = submit  # type: ignore[method-assign]
+
+    return untime
+
+
+def step_contention(
+    steps: list[tuple[float, float]], jobs: list[tuple[float, float]], skip: int = 20
+) -> dict[str, float]:
+    """How much a running monitor job slows a training step: the least-squares fit of each
+    step's wall time on the share of it during which a job ran (the first ``skip`` steps, the
+    allocator's warm-up, left out). ``per_step_s``: slope x mean busy share, the seconds the
+    monitor thread adds to an average step."""
+    jobs = sorted(jobs)
+    durations, busy = [], []
+    for start, end in steps[skip:]:
+        overlap = sum(max(0.0, min(end, j1) - max(start, j0)) for j0, j1 in jobs)
+        durations.append(end - start)
+        busy.append(min(1.0, overlap / (end - start)))
+    mean_busy = statistics.fmean(busy) if busy else 0.0
+    if len(busy) < 2 or statistics.pvariance(busy) == 0:
+        idle = statistics.fmean(durations) if durations else 0.0
+        return {"busy_share": mean_busy, "idle_s": idle, "slope_s": 0.0, "per_step_s": 0.0}
+    slope, idle = statistics.linear_regression(busy, durations)
+    return {
+        "busy_share": mean_busy,
+        "idle_s": idle,
+        "slope_s": slope,
+        "per_step_s": slope * mean_busy,
     }
 
 
@@ -206,6 +280,49 @@ def breakdown_table(results: list[dict], steps: int) -> list[str]:
         + " | ".join(f"**{1e3 * t:.3f} ms ({t / bare:.2%})**" for t in totals.values())
         + " |"
     )
+    return lines + [""] + estimate_table(runs, totals, bare, steps)
+
+
+def estimate_table(
+    runs: dict[str, list[dict]], own: dict[str, float], bare: float, steps: int
+) -> list[str]:
+    """The overhead put together from parts measured inside the agent runs: the training
+    thread's own work, the monitor thread's contention, and building and closing the agent
+    spread over the run (means over the runs; % of the bare run's step)."""
+
+    def cell(seconds: float) -> str:
+        return f"{1e3 * seconds:.3f} ms ({seconds / bare:.2%})"
+
+    rows: dict[str, list[str]] = {
+        "monitor job running, share of the training steps' time": [],
+        "training step while no job runs (fit)": [],
+        "a step wholly beside a running job: slower by (fit)": [],
+        "monitor thread contention per step (slope x share)": [],
+        "building the agent + `close()`, spread over the run": [],
+        "**estimated overhead per step (own work + contention + build/close)**": [],
+    }
+    for variant, rs in runs.items():
+        share = statistics.fmean(r["contention"]["busy_share"] for r in rs)
+        idle = statistics.fmean(r["contention"]["idle_s"] for r in rs)
+        slope = statistics.fmean(r["contention"]["slope_s"] for r in rs)
+        contention = statistics.fmean(r["contention"]["per_step_s"] for r in rs)
+        once = statistics.fmean(r["construct_s"] + r["close_s"] for r in rs) / steps
+        values = iter(rows.values())
+        next(values).append(f"{share:.1%}")
+        next(values).append(f"{1e3 * idle:.2f} ms")
+        next(values).append(f"{1e3 * slope:+.2f} ms")
+        next(values).append(cell(contention))
+        next(values).append(cell(once))
+        next(values).append(f"**{cell(own[variant] + contention + once)}**")
+    lines = [
+        "The overhead from its parts, measured inside the agent runs, where the machine's drift "
+        "cancels (the monitor thread's contention: each training step's wall time fitted on the "
+        "share of it during which a monitor job ran; see the module docstring):",
+        "",
+        "| | " + " | ".join(runs) + " |",
+        "|---|" + "---|" * len(runs),
+    ]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows.items()]
     return lines + [""]
 
 

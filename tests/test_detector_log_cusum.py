@@ -73,3 +73,46 @@ def test_zero_and_negative_values_count_as_the_floor():
     d = LogCUSUMDetector(k=0.1, h=1.0, floor=1e-3)
     assert fired(d, [1.0, 1.0, 0.0, -5.0, 0.0]) == [2, 3, 4]
     assert math.isclose(d.statistic, -(math.log(1.0 / 1e-3) - 3 * 0.1))
+
+
+def test_min_updates_2_lets_a_fall_under_way_fire_as_before_but_not_a_single_dip():
+    # The dip above, ln(1/0.3) - 0.1 = 1.10 > h on its one update: with min_updates 2 the
+    # excursion is one update old when it crosses h, and the next value clears it.
+    dip = [1.0] * 10 + [0.3] + [1.0] * 10
+    assert fired(LogCUSUMDetector(k=0.1, h=1.0, min_updates=2), dip) == []
+    # A fall already under way (20% per update, crossing h at its 9th update) fires on the
+    # same update as with min_updates 1: nothing is lost on a trend.
+    fall = geometric(30, start=10, rate=0.8)
+    d = LogCUSUMDetector(k=0.1, h=1.0, min_updates=2)
+    assert fired(d, fall) == list(range(18, 30)) and d.onset_step == 10
+    # An accelerating collapse that jumps over h on its 3rd update (as a biased attention
+    # backward's H(Delta_2): -11%, -14%, -43%) fires there too.
+    collapse = [1.92, 1.92, 1.72, 1.50, 0.96, 0.29]
+    assert fired(LogCUSUMDetector(k=0.06, h=0.4, min_updates=2), collapse) == [4, 5]
+    # A step that stays is taken one update later, while its excess lasts (0.80 - 0.2 > 0.5).
+    step = [2.0] * 20 + [0.9] * 20
+    assert fired(LogCUSUMDetector(k=0.1, h=0.5, min_updates=2), step) == [21]
+
+
+def test_min_updates_counts_the_excursion_not_the_updates_above_h():
+    d = LogCUSUMDetector(k=0.1, h=1.0, min_updates=3)
+    # -5%, then -70%: the sum (0.0 after the allowance, then 1.10) crosses h on the excursion's
+    # first update (the 5% fall is inside the allowance); -50% next: second update; third: fires
+    values = [1.0, 0.95, 0.285, 0.1425, 0.1425]
+    assert fired(d, values) == [4]
+    assert d.statistic is not None and d.statistic < -1.0
+
+
+def test_a_state_saved_before_min_updates_loads_as_an_excursion_of_no_updates():
+    d = LogCUSUMDetector(k=0.1, h=1.0, min_updates=2)
+    for i, v in enumerate([2.0, 1.5, 1.0]):
+        d.update(i, v)
+    state = d.state_dict()
+    assert state["state"]["low_updates"] == 2
+    for key in ("high_updates", "low_updates"):
+        del state["state"][key]
+    del state["params"]["min_updates"]  # the parameter's default then: 1 (not this detector)
+    old = LogCUSUMDetector(k=0.1, h=1.0)
+    old.load_state_dict(state)
+    assert old.state_dict()["state"]["low_updates"] == 0
+    assert old.update(3, 0.3).triggered  # 0.69 + 1.10 - 2 x 0.1 beyond the allowance

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -128,14 +128,20 @@ class StateFields:
     ints: tuple[str, ...] = ()
     floats: tuple[str, ...] = ()
     as_saved: tuple[str, ...] = ()
+    # fields added after states were saved without them: name -> the value such a state means
+    # (saved and read back as they are)
+    added: Mapping[str, Any] = field(default_factory=dict)
 
     def save(self, obj: object) -> dict[str, Any]:
-        return {name: getattr(obj, f"_{name}") for name in self.ints + self.floats + self.as_saved}
+        names = self.ints + self.floats + self.as_saved + tuple(self.added)
+        return {name: getattr(obj, f"_{name}") for name in names}
 
     def load(self, obj: object, state: Mapping[str, Any]) -> None:
         for names, read in ((self.ints, int), (self.floats, float), (self.as_saved, None)):
             for name in names:
                 setattr(obj, f"_{name}", state[name] if read is None else read(state[name]))
+        for name, before in self.added.items():
+            setattr(obj, f"_{name}", state.get(name, before))
 
 
 class DetectorProtocol(Protocol):

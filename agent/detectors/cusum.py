@@ -41,6 +41,19 @@ from pydantic import Field
 from agent.detectors.base import Detector, DetectorParams, StateFields, scale_floor, welford
 from agent.detectors.runs import run_start
 
+MIN_UPDATES_FIELD = Field(
+    1,
+    ge=1,
+    description=(
+        "A sum triggers only once its current excursion (the updates since it was last 0) "
+        "spans this many updates: 2 keeps a single outlying value (a noisy read-out) from "
+        "triggering on the update it arrives, while a departure already under way triggers "
+        "as soon as it crosses h. 1: any update."
+    ),
+)
+# The excursion lengths in a saved state (absent from states saved before min_updates: 0).
+EXCURSION_UPDATES = {"high_updates": 0, "low_updates": 0}
+
 
 class CUSUMParams(DetectorParams):
     warmup: int = Field(
@@ -54,18 +67,23 @@ class CUSUMParams(DetectorParams):
     min_std: float = Field(
         0.0, ge=0, description="Floor on the warm-up standard deviation, in metric units."
     )
+    min_updates: int = MIN_UPDATES_FIELD
 
 
 class TwoSidedSums(Detector):
-    """The one-sided sums C+ and C- of a CUSUM with the first step of each one's current
-    excursion; a subclass feeds them the standardized change of each value (``_accumulate``)
-    and declares ``c_high``, ``c_low``, ``high_since`` and ``low_since`` in its state."""
+    """The one-sided sums C+ and C- of a CUSUM with the first step and the number of updates of
+    each one's current excursion; a subclass feeds them the standardized change of each value
+    (``_accumulate``), has a ``min_updates`` parameter and declares ``c_high``, ``c_low``,
+    ``high_since``, ``low_since`` and (``EXCURSION_UPDATES``) ``high_updates`` and
+    ``low_updates`` in its state."""
 
     def _forget_departure(self) -> None:
         self._c_high = 0.0  # C+
         self._c_low = 0.0  # C-
         self._high_since: int | None = None  # first step of C+'s current excursion
         self._low_since: int | None = None
+        self._high_updates = 0  # updates in C+'s current excursion (0: C+ is 0)
+        self._low_updates = 0
 
     @property
     def sums(self) -> tuple[float, float]:
@@ -78,9 +96,16 @@ class TwoSidedSums(Detector):
         self._c_low = max(0.0, self._c_low - x - k)
         self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
         self._low_since = run_start(self._c_low != 0.0, self._low_since, step)
+        self._high_updates = self._high_updates + 1 if self._c_high != 0.0 else 0
+        self._low_updates = self._low_updates + 1 if self._c_low != 0.0 else 0
+        # a sum counts once its excursion has lasted min_updates updates (a trend, not a jump)
+        young = self.params.min_updates  # type: ignore[attr-defined]
+        high = self._c_high if self._high_updates >= young else 0.0
+        low = self._c_low if self._low_updates >= young else 0.0
         self._set_larger_side_verdict(
-            direction, h, (self._c_high, self._high_since), (self._c_low, self._low_since)
+            direction, h, (high, self._high_since), (low, self._low_since)
         )
+        self._statistic = self._c_high if self._c_high >= self._c_low else -self._c_low
 
 
 class CUSUMDetector(TwoSidedSums):
@@ -93,6 +118,7 @@ class CUSUMDetector(TwoSidedSums):
         ints=("n_finite",),
         floats=("mean", "m2", "c_high", "c_low"),
         as_saved=("high_since", "low_since"),
+        added=EXCURSION_UPDATES,
     )
 
     def _reset_state(self) -> None:

@@ -20,6 +20,16 @@ replaced only by a departure that starts from within ``h`` of it (the series cam
 rule's ``clear: {baseline_ratio_above: 0.8}`` keeps the alert firing until the value recovers.
 The statistic is the larger sum, signed (- falling, + rising). Non-finite values are gaps.
 
+``min_updates`` (default 1): a sum triggers only once its current excursion spans that many
+updates. With 2, a single outlying value from a quiet series (a noisy read-out: the sum jumps
+past ``h`` on the excursion's first update and the next value clears it) cannot trigger,
+while a departure already under way triggers on the update it crosses ``h``, as with 1: a
+collapse accelerates through a few updates before it crosses, a noisy read-out comes out of
+nowhere. A step that stays is then taken one update later when its excess still exceeds
+``h`` (a one-time step below ``h + min_updates x k`` is forgiven). Unlike a rule's ``for``,
+which needs ``h`` exceeded at two evaluations and so delays every alert, it costs nothing on
+a trend.
+
 >>> from agent.detectors.log_cusum import LogCUSUMDetector
 >>> d = LogCUSUMDetector(k=0.1, h=1.0, direction="falling")
 >>> values = [2.0, 1.95, 2.0, 1.9, 1.2, 0.6, 0.3, 0.3]
@@ -37,7 +47,7 @@ from typing import Literal
 from pydantic import Field
 
 from agent.detectors.base import DetectorParams, StateFields
-from agent.detectors.cusum import TwoSidedSums
+from agent.detectors.cusum import EXCURSION_UPDATES, MIN_UPDATES_FIELD, TwoSidedSums
 
 
 class LogCUSUMParams(DetectorParams):
@@ -49,6 +59,7 @@ class LogCUSUMParams(DetectorParams):
     floor: float = Field(
         1e-9, gt=0, description="Values at or below this count as this (metric units)."
     )
+    min_updates: int = MIN_UPDATES_FIELD
 
 
 class LogCUSUMDetector(TwoSidedSums):
@@ -60,6 +71,7 @@ class LogCUSUMDetector(TwoSidedSums):
     _state_fields = StateFields(
         floats=("c_high", "c_low"),
         as_saved=("previous", "high_since", "low_since", "high_from", "low_from"),
+        added=EXCURSION_UPDATES,
     )
 
     def _reset_state(self) -> None:

@@ -49,8 +49,10 @@ def _num(x: float) -> str:
 
 
 def _log_cusum(p: Any) -> str:
-    fall = (1 - math.exp(-p.k), 1 - math.exp(-p.h), 1 - math.exp(-(p.h + p.k)))
-    rise = (math.exp(p.k) - 1, math.exp(p.h) - 1, math.exp(p.h + p.k) - 1)
+    # a one-time step d (then flat) leaves the sum at d - k x min_updates when it may fire
+    step = p.h + p.k * p.min_updates
+    fall = (1 - math.exp(-p.k), 1 - math.exp(-p.h), 1 - math.exp(-step))
+    rise = (math.exp(p.k) - 1, math.exp(p.h) - 1, math.exp(step) - 1)
     ways = {
         "falling": [("falling", "fall", fall)],
         "rising": [("rising", "rise", rise)],
@@ -62,10 +64,25 @@ def _log_cusum(p: Any) -> str:
         for verb, _, (per, total, _) in ways
     ]
     forgiven = " or ".join(f"{noun} of less than {_pct(step)}" for _, noun, (_, _, step) in ways)
+    first = _ORDINALS.get(p.min_updates + 1, f"value number {p.min_updates + 1}")
     return (
         f"fires when the value {' or '.join(parts)} (a CUSUM on log-changes: k = {_num(p.k)}, "
-        f"h = {_num(p.h)}); a slower drift never adds up, a one-time {forgiven} is forgiven, "
-        "and there is no baseline to learn, so it can fire from its second value"
+        f"h = {_num(p.h)}){_min_updates(p.min_updates)}; a slower drift never adds up, a "
+        f"one-time {forgiven} is forgiven, and there is no baseline to learn, so it can fire "
+        f"from its {first}"
+    )
+
+
+_ORDINALS = {2: "second value", 3: "third value", 4: "fourth value"}
+
+
+def _min_updates(n: int) -> str:
+    """The ``min_updates`` clause of a CUSUM's sentence ("" for 1, the default)."""
+    if n == 1:
+        return ""
+    return (
+        f", once the departure has lasted {n} evaluations in a row (a single outlying value "
+        "cannot fire it on the evaluation it arrives)"
     )
 
 
@@ -129,6 +146,7 @@ def _cusum(p: Any) -> str:
         f"fires when the cumulative sum of deviations {_side(p.direction)} the warm-up mean, "
         f"beyond a slack of {_num(p.k)} standard deviations per value, exceeds {_num(p.h)} "
         f"standard deviations (mean and std of the first {p.warmup} values, then frozen)"
+        f"{_min_updates(p.min_updates)}"
     )
 
 
