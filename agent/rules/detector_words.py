@@ -50,9 +50,9 @@ def _num(x: float) -> str:
 
 def _log_cusum(p: Any) -> str:
     # a one-time step d (then flat) leaves the sum at d - k x min_updates when it may fire
-    step = p.h + p.k * p.min_updates
-    fall = (1 - math.exp(-p.k), 1 - math.exp(-p.h), 1 - math.exp(-step))
-    rise = (math.exp(p.k) - 1, math.exp(p.h) - 1, math.exp(step) - 1)
+    largest = p.h + p.k * p.min_updates  # the largest one-time step that is forgiven (log)
+    fall = (1 - math.exp(-p.k), 1 - math.exp(-p.h), 1 - math.exp(-largest))
+    rise = (math.exp(p.k) - 1, math.exp(p.h) - 1, math.exp(largest) - 1)
     ways = {
         "falling": [("falling", "fall", fall)],
         "rising": [("rising", "rise", rise)],
