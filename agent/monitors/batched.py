@@ -29,7 +29,9 @@ r x r factors matter. Two ways to get them:
     jitter), and the squared singular values as eigenvalues of small symmetric sandwiches
     (Delta_2: R_A P^T G_B P R_A^T). A Gram squares the condition number: a singular value s
     comes out with an absolute error of about eps(gram_dtype) * s_max^2 / s, so values below
-    about sqrt(eps) * s_max (3e-4 s_max in float32) are noise. For alpha = 2 statistics
+    about sqrt(eps) * s_max (3e-4 s_max in float32) are noise. For Delta_3 = dW_q dW_k^T,
+    formed from its factors' Grams, read s_max as ||dW_q|| ||dW_k||: larger than Delta_3's own
+    s_max when the two updates nearly cancel in the product. For alpha = 2 statistics
     (entropy, effective and stable rank, Frobenius norm, all functions of s^2) that noise
     weighs eps * s_max^2 and does not matter (benchmarks/results/batched_speed.md).
 
