@@ -17,10 +17,12 @@ test bed's clean run (seed 0, one torch thread) and times the test bed's trainin
   arrangement, with the job running all the time instead of a few % of it);
 - the same jobs run back to back in a forked process (the same arithmetic on another core, no
   shared interpreter lock);
-- a thread runs pure Python (the interpreter lock alone, no arithmetic to compete with).
+- with ``--pure-python``, a thread runs pure Python (the interpreter lock alone, no arithmetic
+  to compete with; a training step then takes seconds to tens of seconds, so it is opt-in).
 
 The conditions are alternated for ``--rounds`` rounds; each row is the median step over
-``--steps`` steps (the first 10 left out). The in-process thread minus the process is what the
+``--steps`` steps (the first 10 left out; at most 20 s per condition and round, so the pure-Python
+condition times fewer steps). The in-process thread minus the process is what the
 interpreter lock costs; the process minus nothing is what the hardware costs.
 """
 
@@ -43,6 +45,7 @@ from provenance import provenance  # noqa: E402
 
 CONDITIONS = ("nothing", "jobs on a thread", "jobs in a process", "pure Python on a thread")
 WARMUP_STEPS = 60  # agent steps before the jobs are captured (two QK evaluations at 25)
+MAX_SECONDS = 20.0  # per condition and round: the step count is cut short after this
 
 
 def capture_jobs() -> tuple[object, list]:
@@ -94,9 +97,14 @@ def pure_python(stop: threading.Event, ready: threading.Event) -> None:
             total += i
 
 
-def median_step_ms(step: Callable[[], object], steps: int, skip: int = 10) -> float:
-    times = []
-    for _ in range(steps):
+def median_step_ms(
+    step: Callable[[], object], steps: int, skip: int = 10, max_s: float = MAX_SECONDS
+) -> float:
+    """The median of ``steps`` timed steps after ``skip``, stopping early after ``max_s``
+    seconds (a pure-Python thread makes a step up to a hundred times slower)."""
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < steps and (len(times) <= skip + 2 or time.perf_counter() - began < max_s):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -132,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=150, help="timed training steps per condition")
+    p.add_argument("--pure-python", action="store_true", help="add the pure-Python thread")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     run, jobs = capture_jobs()
-    rows: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+    conditions = CONDITIONS if args.pure_python else CONDITIONS[:-1]
+    rows: dict[str, list[float]] = {c: [] for c in conditions}
     for r in range(args.rounds):
-        for condition in CONDITIONS[r % 2 :] + CONDITIONS[: r % 2]:  # rotate the order
+        for condition in conditions[r % 2 :] + conditions[: r % 2]:  # rotate the order
             rows[condition].append(measure(run, jobs, condition, args.steps))
             print(f"round {r} {condition:24s} {rows[condition][-1]:8.2f} ms", flush=True)
     alone = statistics.median(rows["nothing"])
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "| beside the training step | median step per round (ms) | vs nothing |",
         "|---|---|---|",
     ]
-    for condition in CONDITIONS:
+    for condition in conditions:
         values = rows[condition]
         change = statistics.median(values) / alone - 1
         cells = ", ".join(f"{v:.1f}" for v in values)
