@@ -43,7 +43,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import provenance  # noqa: E402
 
-CONDITIONS = ("nothing", "jobs on a thread", "jobs in a process", "pure Python on a thread")
+NOTHING, ON_THREAD, IN_PROCESS, PURE_PYTHON = (
+    "nothing",
+    "jobs on a thread",
+    "jobs in a process",
+    "pure Python on a thread",
+)
 WARMUP_STEPS = 60  # agent steps before the jobs are captured (two QK evaluations at 25)
 MAX_SECONDS = 20.0  # per condition and round: the step count is cut short after this
 
@@ -97,14 +102,16 @@ def pure_python(stop: threading.Event, ready: threading.Event) -> None:
             total += i
 
 
-def median_step_ms(
-    step: Callable[[], object], steps: int, skip: int = 10, max_s: float = MAX_SECONDS
-) -> float:
-    """The median of ``steps`` timed steps after ``skip``, stopping early after ``max_s``
-    seconds (a pure-Python thread makes a step up to a hundred times slower)."""
+def median_step_ms(step: Callable[[], object], steps: int, skip: int = 10) -> float:
+    """The median of ``steps`` timed steps after ``skip``, stopping early after
+    ``MAX_SECONDS`` (a pure-Python thread makes a step up to a hundred times slower)."""
     times: list[float] = []
     began = time.perf_counter()
-    while len(times) < steps and (len(times) <= skip + 2 or time.perf_counter() - began < max_s):
+
+    def in_time() -> bool:
+        return len(times) <= skip + 2 or time.perf_counter() - began < MAX_SECONDS
+
+    while len(times) < steps and in_time():
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -114,16 +121,14 @@ def median_step_ms(
 def measure(run: object, jobs: list, condition: str, steps: int) -> float:
     """The median training step (ms) while ``condition`` runs beside it."""
     fork = mp.get_context("fork")
-    if "process" in condition:
-        stop, ready = fork.Event(), fork.Event()
-    else:
-        stop, ready = threading.Event(), threading.Event()
+    events = fork if condition == IN_PROCESS else threading
+    stop, ready = events.Event(), events.Event()
     worker: threading.Thread | mp.process.BaseProcess | None = None
-    if condition == "jobs on a thread":
+    if condition == ON_THREAD:
         worker = threading.Thread(target=run_jobs, args=(jobs, stop, ready), daemon=True)
-    elif condition == "jobs in a process":
+    elif condition == IN_PROCESS:
         worker = fork.Process(target=run_jobs, args=(jobs, stop, ready), daemon=True)
-    elif condition == "pure Python on a thread":
+    elif condition == PURE_PYTHON:
         worker = threading.Thread(target=pure_python, args=(stop, ready), daemon=True)
     if worker is not None:
         worker.start()
@@ -145,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     run, jobs = capture_jobs()
-    conditions = CONDITIONS if args.pure_python else CONDITIONS[:-1]
+    conditions = [NOTHING, ON_THREAD, IN_PROCESS] + ([PURE_PYTHON] if args.pure_python else [])
     rows: dict[str, list[float]] = {c: [] for c in conditions}
     for r in range(args.rounds):
         for condition in conditions[r % 2 :] + conditions[: r % 2]:  # rotate the order
             rows[condition].append(measure(run, jobs, condition, args.steps))
             print(f"round {r} {condition:24s} {rows[condition][-1]:8.2f} ms", flush=True)
-    alone = statistics.median(rows["nothing"])
+    alone = statistics.median(rows[NOTHING])
     lines = provenance() + [
         f"Test bed clean run, seed 0, one torch thread; {len(jobs)} QK jobs of a default agent "
         f"({', '.join(sorted({j.site.name for j in jobs}))}, {len(jobs[0].heads)} heads and "
