@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,6 +52,13 @@ class QKMonitorConfig(_Strict):
     )
     snapshot_device: str | None = Field(
         None, description="where snapshots live: None (next to the weights) or 'cpu'"
+    )
+    worker: Literal["auto", "process", "thread"] = Field(
+        "auto",
+        description="where QK jobs run: 'process' (a worker process on shared-memory "
+        "snapshots, agent/monitor_process.py: its Python never holds the training process's "
+        "interpreter lock), 'thread' (the agent's monitor thread), 'auto' (the process when "
+        "the snapshots are on the CPU in a one-process run, else the thread)",
     )
     budget: float | None = Field(
         None,

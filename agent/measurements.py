@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agent import samples as m
-from agent.costs import Costs
+from agent.costs import MONITOR_THREAD, Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import find_controls
 from agent.monitor_budget import MonitorBudget
+from agent.monitor_process import ProcessWorker, process_supported
 from agent.probes import QKJob, QKSnapshots, compute_qk_samples
 from agent.router_buffer import HandedBatch
 from agent.router_probe import RouterProbe
@@ -67,6 +68,7 @@ class Measurements:
     and scheduling sections)."""
 
     adaptive_budget = True  # ``qk.budget`` is supported (agent.monitor_budget)
+    process_worker = True  # ``qk.worker`` may be a process (agent.monitor_process)
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class Measurements:
                 for site in attention_sites
             },
         )
+        self.worker = self._start_worker(config.qk.worker)
         self.budget = (
             MonitorBudget(
                 qk.budget,
@@ -128,6 +131,26 @@ class Measurements:
 
     def _qk_snapshots(self, sites: list[AttentionSite], **kwargs: Any) -> QKSnapshots:
         return QKSnapshots(sites, **kwargs)
+
+    def _start_worker(self, mode: str) -> ProcessWorker | None:
+        """The monitor process for the QK jobs (``qk.worker``), or None: the monitor thread."""
+        if mode == "thread" or not self.attention_sites:
+            return None
+        on_cpu = not self.qk._cuda or self.qk.device == "cpu"
+        usable = self.process_worker and process_supported() and not self.qk._cuda
+        if mode == "process" and not usable:
+            self.router_probe.detach()  # a failed construction leaves no hooks behind
+            raise ValueError(
+                "qk.worker: 'process' needs the attention weights on the CPU in a one-process "
+                "run (on a GPU or across ranks the jobs run on the monitor thread: 'auto')"
+            )
+        if not usable or not on_cpu:
+            return None
+        worker = ProcessWorker(self.qk.buffers)
+        if not worker.process.alive:
+            self.report("qk monitor", f"{worker.process.error}; measuring on the monitor thread")
+            return None
+        return worker
 
     # -- the training thread -----------------------------------------------------------------
     def record(self, step: int, loss: Scalar | None, grad_norm: Scalar | None) -> None:
@@ -179,6 +202,8 @@ class Measurements:
         path (snapshots, results not yet applied, buffered values)."""
         if self.budget is not None:
             self.budget.restart()
+        if self.worker is not None:
+            self.worker.reset()
         self.qk.reset()
         self.router_probe.reset()
         for future in [f for _, f in self._pending + list(self._router_handed.values())]:
@@ -190,6 +215,8 @@ class Measurements:
 
     def close(self) -> None:
         self.router_probe.detach()
+        if self.worker is not None:
+            self.worker.close()
         for future in [f for _, f in self._pending + list(self._router_handed.values())]:
             future.cancel()
         self._pending.clear()
@@ -246,7 +273,22 @@ class Measurements:
 
     def _submit_job(self, job: QKJob) -> Future:
         orders = tuple(self.config.qk.orders)
+        if self.worker is not None and not self.worker.process.alive:
+            self.report(
+                "qk monitor", f"{self.worker.process.error}; measuring on the monitor thread"
+            )
+            self.worker = None
+        if self.worker is not None and self.worker.ready:
+            return self.worker.submit(job, orders, lambda seconds: self._done(job, seconds))
         return self.submit(self.costs.on_monitor_thread(lambda: self._compute(job, orders)))
+
+    def _done(self, job: QKJob, seconds: float) -> None:
+        """The monitor process computed ``job`` in ``seconds`` of its CPU time (its reader
+        thread): the buffers go back to the pool, the time to the costs and the budget."""
+        self.qk.buffers.finished(job)
+        self.costs.add(MONITOR_THREAD, seconds)
+        if self.budget is not None:
+            self.budget.on_job(seconds, len(job.heads))
 
     def _compute(self, job: QKJob, orders: tuple[int, ...]) -> list[Sample]:
         """The job's samples (monitor thread); its snapshot buffers are reused afterwards."""

@@ -2,9 +2,10 @@
 that the monitor thread's QK work stays within a fraction of the training step time.
 
 Measured, never assumed: the step time is the wall time between two ``Agent.step`` calls (an
-exponential mean), the cost of a head is the monitor thread's CPU seconds of a QK job divided by
-the query heads it measured (the layer's control matrices included: their cost is shared by the
-heads). One evaluation every ``delta`` steps may then take
+exponential mean), the cost of a head is the CPU seconds of a QK job (on the monitor thread or
+in the monitor process, ``qk.worker``) divided by the query heads it measured (the layer's
+control matrices included: their cost is shared by the heads). One evaluation every ``delta``
+steps may then take
 
     budget x delta x step seconds                                       (seconds per evaluation)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -82,16 +83,23 @@ class SnapshotBuffers:
     the training thread takes the finished jobs back at its next snapshot step (``reclaim``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allocate_cpu: Callable[[torch.Size], torch.Tensor] | None = None) -> None:
         self._free: dict[tuple[str, torch.Size, torch.device], list[torch.Tensor]] = {}
         self._finished: deque[QKJob] = deque()  # appended by the monitor thread
+        # a new fp32 CPU buffer of a shape (the monitor process's shared files); None: torch.empty
+        self.allocate_cpu = allocate_cpu
 
     def copy(self, name: str, p: torch.Tensor, target: torch.device) -> torch.Tensor:
         """An fp32 copy of ``p`` on ``target`` in a reused buffer (asynchronous on a GPU)."""
         free = self._free.get((name, p.shape, target))
-        buffer = free.pop() if free else torch.empty(p.shape, dtype=torch.float32, device=target)
+        buffer = free.pop() if free else self._new(p.shape, target)
         buffer.copy_(p, non_blocking=p.is_cuda and target.type == "cpu")
         return buffer
+
+    def _new(self, shape: torch.Size, target: torch.device) -> torch.Tensor:
+        if self.allocate_cpu is not None and target.type == "cpu":
+            return self.allocate_cpu(shape)
+        return torch.empty(shape, dtype=torch.float32, device=target)
 
     def finished(self, job: QKJob) -> None:
         """``job`` was computed (monitor thread): its buffers may be reused."""

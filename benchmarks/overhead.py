@@ -20,7 +20,8 @@ Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
    bandwidth). That is measured inside each agent run, where the machine's drift cancels: the
    wall time of every training step (``run.step()``, the model's forward, backward and
    optimizer step, not ``agent.step``) against the share of it during which a monitor job ran
-   (the jobs' wall intervals, timed around ``MonitorThread.submit``'s function), fitted as
+   (the jobs' wall intervals, timed around ``MonitorThread.submit``'s function, and as the
+   monitor process reports them for the QK jobs it runs, ``qk.worker``), fitted as
    step = idle + slope x busy share; the contention per step is slope x the mean busy share.
 3. Frontier shape: one attention layer with d = 4096, 32 query heads of d_h = 128 and 8 KV heads
    (GQA), measured through the agent's own probe code (snapshot + compute_qk_samples) for all
@@ -51,11 +52,14 @@ VARIANTS = (
     "agent",
     "agent, grad norm given",
     "agent, qk.budget 0.01",
+    "agent, QK jobs on the thread",
     "agent, no QK / router monitors",
 )
+MONITOR = "monitor thread"  # the Costs part of the monitor jobs' CPU seconds (agent/costs.py)
 # The AgentConfig keys of each agent variant (besides run_dir).
 SETTINGS: dict[str, dict] = {
     "agent, qk.budget 0.01": {"qk": {"budget": 0.01}},
+    "agent, QK jobs on the thread": {"qk": {"worker": "thread"}},
     "agent, no QK / router monitors": {"qk": {"enabled": False}, "router": {"enabled": False}},
 }
 
@@ -112,8 +116,9 @@ def child(variant: str, steps: int) -> dict:
 
 
 def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], None]:
-    """Record the wall interval of every job the agent hands to its monitor thread (this
-    benchmark's instrumentation: ``MonitorThread.submit`` wrapped before the agent is built);
+    """Record the wall interval of every job the agent hands to its monitor thread or process
+    (this benchmark's instrumentation: ``MonitorThread.submit`` and the process's result
+    handler wrapped before the agent is built);
     returns what undoes it."""
     from agent.monitor_thread import MonitorThread  # noqa: PLC0415
 
@@ -130,9 +135,22 @@ def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], Non
         return submit(self, timed)
 
     MonitorThread.submit = timed_submit  # type: ignore[method-assign]
+    # QK jobs in the monitor process (qk.worker): the worker reports each job's wall interval
+    # on the same monotonic clock (time.perf_counter on Linux)
+    from agent.monitor_process import MonitorProcess  # noqa: PLC0415
+
+    resolve = MonitorProcess._resolve
+
+    def timed_resolve(self: MonitorProcess, message: tuple) -> None:
+        if message[0] == "done":
+            intervals.append(message[4])
+        resolve(self, message)
+
+    MonitorProcess._resolve = timed_resolve  # type: ignore[method-assign]
 
     def untime() -> None:
         MonitorThread.submit = submit  # type: ignore[method-assign]
+        MonitorProcess._resolve = resolve  # type: ignore[method-assign]
 
     return untime
 
@@ -270,10 +288,10 @@ def breakdown_table(results: list[dict], steps: int) -> list[str]:
         cells = []
         for variant, rs in runs.items():
             per_step = statistics.mean(r["costs"][part] for r in rs) / steps
-            if part != "monitor thread":
+            if part != MONITOR:
                 totals[variant] += per_step
             cells.append(f"{1e3 * per_step:.3f} ms ({per_step / bare:.2%})")
-        label = "monitor thread (CPU s, other thread)" if part == "monitor thread" else part
+        label = "monitor jobs (CPU s, off the training thread)" if part == MONITOR else part
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append(
         "| **training thread, total** | "

@@ -71,7 +71,10 @@ def test_monitor_results_are_applied_at_a_deterministic_step(tmp_path):
 
 def test_agent_failure_never_reaches_the_training_loop(tmp_path, monkeypatch):
     run = _run()
-    agent = Agent(run.model, run.optimizer, config=_config(tmp_path, qk={"delta": 5}))
+    # The monitor thread's path (the patch reaches this process only; the monitor process's
+    # failures: tests/test_monitor_process.py).
+    config = _config(tmp_path, qk={"delta": 5, "worker": "thread"})
+    agent = Agent(run.model, run.optimizer, config=config)
 
     def broken(*args, **kwargs):
         raise RuntimeError("monitor exploded")

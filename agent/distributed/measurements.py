@@ -63,6 +63,7 @@ class DistributedMeasurements(Measurements):
     """See the module docstring. ``world`` is this rank's ``World``."""
 
     adaptive_budget = False  # each rank would time its own share and plan its own layers
+    process_worker = False  # the jobs are expanded per rank (expand_job) on the monitor thread
 
     def __init__(self, *args: Any, world: World, **kwargs: Any) -> None:
         self.world = world  # before the base class builds the QK snapshots

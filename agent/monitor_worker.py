@@ -1,0 +1,162 @@
+"""The monitor process's main loop (``python -m agent.monitor_worker READ_FD WRITE_FD``): QK jobs
+computed off the training process, so that their Python code never holds the training
+process's interpreter lock (benchmarks/results/monitor_contention.md: the same jobs slow a
+training step by 41% on a thread of its process, by 2% in another process).
+
+The worker first answers ``("ready",)`` (torch imported). The training process
+(``agent.monitor_process``) sends frames over a pipe; each frame is one pickled tuple:
+
+* ``("job", job_id, owner, spec)``: compute the QK samples of one job (``JobSpec``) and answer
+  ``("done", job_id, samples, cpu_seconds, (start, end))`` (``end - start``: its wall time on
+  ``time.perf_counter``, the system's monotonic clock on Linux) or ``("error", job_id, text)``;
+* ``("reset", owner)``: forget ``owner``'s Delta_2 directions (the run rolled back);
+* ``("unmap", paths)``: drop the mappings of snapshot files the training process let go;
+* ``("forget", owner)``: the owner closed (its directions are dropped).
+
+Snapshots are never sent: they are files (``/dev/shm``) both processes map; a frame names
+them by path and shape. When the training process goes away (end of file on the pipe) the
+worker removes every snapshot file it knows of and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from agent.discovery import AttentionSite
+from agent.probes import QKJob, compute_qk_samples
+
+_HEADER = struct.Struct("<Q")  # frame length, bytes
+
+
+@dataclass
+class JobSpec:
+    """What a ``QKJob`` is, without tensors: snapshots as {parameter name: (path, shape)}."""
+
+    step: int
+    site: AttentionSite  # without its module and live parameters
+    previous: dict[str, tuple[str, tuple[int, ...]]]
+    current: dict[str, tuple[str, tuple[int, ...]]]
+    heads: list[int]
+    controls: dict[str, str]
+    control_rows: int | None
+    orders: tuple[int, ...]
+    # (layer, head) -> Delta_2 top direction (d,) measured on the monitor thread before this
+    # layer's first job in the worker
+    directions: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+
+def write_frame(fd: int, message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    _write_all(fd, _HEADER.pack(len(data)) + data)
+
+
+def read_frame(fd: int) -> object | None:
+    """The next message, or None at the end of the pipe."""
+    header = _read_exact(fd, _HEADER.size)
+    if header is None:
+        return None
+    data = _read_exact(fd, _HEADER.unpack(header)[0])
+    return None if data is None else pickle.loads(data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.mapped: dict[str, torch.Tensor] = {}  # path -> flat fp32 tensor on the file
+        self.directions: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # owner -> ...
+
+    def tensor(self, path: str, shape: tuple[int, ...]) -> torch.Tensor:
+        flat = self.mapped.get(path)
+        numel = 1
+        for n in shape:
+            numel *= n
+        if flat is None or flat.numel() != numel:
+            flat = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+            self.mapped[path] = flat
+        return flat.view(shape)
+
+    def compute(self, owner: int, spec: JobSpec) -> tuple[list, float]:
+        """The job's samples and the CPU seconds they took."""
+        start = time.thread_time()
+        directions = self.directions.setdefault(owner, {})
+        for key, direction in spec.directions.items():
+            directions.setdefault(key, direction)
+        job = QKJob(
+            spec.step,
+            spec.site,
+            {name: self.tensor(*where) for name, where in spec.previous.items()},
+            {name: self.tensor(*where) for name, where in spec.current.items()},
+            spec.heads,
+            spec.controls,
+            directions,
+            control_rows=spec.control_rows,
+        )
+        samples = compute_qk_samples(job, spec.orders)
+        return samples, time.thread_time() - start
+
+    def handle(self, message: tuple, write: int) -> None:
+        kind = message[0]
+        if kind == "job":
+            _, job_id, owner, spec = message
+            began = time.perf_counter()
+            try:
+                samples, seconds = self.compute(owner, spec)
+            except Exception as exc:
+                write_frame(write, ("error", job_id, f"{type(exc).__name__}: {exc}"))
+            else:
+                interval = (began, time.perf_counter())
+                write_frame(write, ("done", job_id, samples, seconds, interval))
+        elif kind in ("reset", "forget"):
+            self.directions.pop(message[1], None)
+        elif kind == "unmap":
+            for path in message[1]:
+                self.mapped.pop(path, None)
+
+    def remove_files(self) -> None:
+        for path in self.mapped:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def main(argv: list[str]) -> int:
+    read, write = int(argv[0]), int(argv[1])
+    torch.set_num_threads(int(os.environ.get("MECHWATCH_MONITOR_THREADS", "1")))
+    worker = Worker()
+    try:
+        write_frame(write, ("ready",))
+        while (message := read_frame(read)) is not None:
+            worker.handle(message, write)  # type: ignore[arg-type]
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
+    finally:
+        worker.remove_files()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,146 @@
+"""QK jobs in the monitor process (``qk.worker: process``, agent/monitor_process.py): the same
+samples as on the thread, the run goes on when the worker dies, and no snapshot file is left."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+
+import pytest
+import torch
+
+from agent.config import AgentConfig
+from agent.discovery import find_attention, find_routers
+from agent.measurements import Measurements
+from agent.monitor_process import MonitorProcess, process_supported, shared_directory
+from agent.monitor_thread import MonitorThread
+from agent.samples import Sample
+from agent.testbed.runner import TestbedRun
+from agent.testbed.scenarios import ScenarioConfig
+
+pytestmark = pytest.mark.skipif(not process_supported(), reason="POSIX only")
+
+STEPS = 160  # snapshots every 25 steps; results 5 steps later: evaluations 50 to 150
+
+
+def _measure(
+    worker: str,
+    tmp_path,
+    *,
+    restart_at: int | None = None,
+    kill_at: int | None = None,
+    ready_at: int | None = None,
+) -> tuple[list[Sample], list[tuple[str, str]], Measurements]:
+    """Drive a test-bed run through ``Measurements`` (default agent config) with the jobs on
+    ``worker``; returns every QK sample, the reported failures and the measurements."""
+    torch.manual_seed(0)
+    run = TestbedRun(ScenarioConfig.preset("clean", seed=3, steps=STEPS), record_monitors=False)
+    config = AgentConfig.model_validate({"run_dir": tmp_path, "qk": {"worker": worker}})
+    thread = MonitorThread()
+    thread.start()
+    reports: list[tuple[str, str]] = []
+    measurements = Measurements(
+        run.model,
+        config,
+        find_attention(run.model),
+        find_routers(run.model),
+        submit=thread.submit,
+        report=lambda what, text: reports.append((what, text)),
+    )
+    samples: list[Sample] = []
+    if ready_at is not None:  # the worker counts as starting until ready_at
+        measurements.worker.process.ready.wait(timeout=60)
+        measurements.worker.process.ready.clear()
+    try:
+        for step in range(STEPS):
+            if step == ready_at:
+                measurements.worker.process.ready.set()
+            loss = run.step()
+            measurements.record(step, loss, None)
+            if step == restart_at:
+                measurements.restart()
+            if step == kill_at:
+                process = measurements.worker.process._process
+                process.kill()
+                process.wait()
+            samples += [s for s in measurements.collect(step) if "layer" in s.label_dict]
+    finally:
+        measurements.close()
+        thread.shutdown()
+    return samples, reports, measurements
+
+
+def test_the_process_measures_what_the_thread_measures(tmp_path) -> None:
+    on_thread, _, thread_run = _measure("thread", tmp_path / "t", restart_at=60)
+    in_process, reports, process_run = _measure("process", tmp_path / "p", restart_at=60)
+    assert thread_run.worker is None and process_run.worker is not None
+    assert reports == []
+    assert len(on_thread) == len(in_process) > 100
+    key = lambda s: (s.step, s.metric, s.labels)  # noqa: E731
+    for a, b in zip(sorted(on_thread, key=key), sorted(in_process, key=key), strict=True):
+        assert key(a) == key(b)
+        assert b.value == pytest.approx(a.value, rel=1e-6, abs=1e-9), key(a)
+    # the restart at 60 dropped the directions in both: no persistence right after it
+    for samples in (on_thread, in_process):
+        persistence = {s.step for s in samples if s.metric == "qk_delta2_persistence"}
+        assert persistence == {50, 125, 150}  # 75: no evaluation, 100: first after it
+
+
+def test_jobs_run_on_the_thread_until_the_worker_is_ready(tmp_path) -> None:
+    on_thread, _, _ = _measure("thread", tmp_path / "t")
+    handed_over, reports, _ = _measure("process", tmp_path / "p", ready_at=80)
+    assert reports == []
+    key = lambda s: (s.step, s.metric, s.labels)  # noqa: E731
+    assert [key(s) for s in sorted(on_thread, key=key)] == [
+        key(s) for s in sorted(handed_over, key=key)
+    ]  # the persistence at 100 (worker) compares with the direction at 75 (thread)
+    for a, b in zip(sorted(on_thread, key=key), sorted(handed_over, key=key), strict=True):
+        assert b.value == pytest.approx(a.value, rel=1e-6, abs=1e-9), key(a)
+
+
+def test_a_dead_worker_is_reported_and_the_thread_takes_over(tmp_path) -> None:
+    samples, reports, measurements = _measure("process", tmp_path, kill_at=52)
+    assert measurements.worker is None  # fell back
+    assert any(what == "qk monitor" and "exited" in text for what, text in reports), reports
+    steps = {s.step for s in samples}
+    assert {125, 150} <= steps  # measured on the thread after the worker died
+    MonitorProcess.shared()  # a new worker for the next agent of this process
+
+
+def test_no_snapshot_file_is_left_behind(tmp_path) -> None:
+    _measure("process", tmp_path)
+    gc.collect()
+    prefix = f"mechwatch-{os.getpid()}-"
+    assert [n for n in os.listdir(shared_directory()) if n.startswith(prefix)] == []
+
+
+def test_process_on_request_needs_cpu_weights_in_one_process(tmp_path) -> None:
+    from agent.distributed.measurements import DistributedMeasurements  # noqa: PLC0415
+    from agent.distributed.world import World  # noqa: PLC0415
+
+    run = TestbedRun(ScenarioConfig.preset("clean", seed=0, steps=10))
+    config = AgentConfig.model_validate({"run_dir": tmp_path, "qk": {"worker": "process"}})
+    sites, routers = find_attention(run.model), find_routers(run.model)
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in run.model.modules())
+    with pytest.raises(ValueError, match="qk.worker: 'process' needs"):
+        DistributedMeasurements(run.model, config, sites, routers, world=World(0, 1))
+    after = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in run.model.modules())
+    assert after == hooks
+
+
+def test_a_job_that_fails_in_the_worker_fails_its_future_only() -> None:
+    from concurrent.futures import Future  # noqa: PLC0415
+
+    from agent.monitor_worker import JobSpec  # noqa: PLC0415
+
+    run = TestbedRun(ScenarioConfig.preset("clean", seed=0, steps=10))
+    site = dataclasses.replace(find_attention(run.model)[0], module=None, live_parameters={})
+    process = MonitorProcess.shared()
+    gone = {name: ("/nonexistent/mechwatch-snapshot", (4, 4)) for name in ("a",)}
+    spec = JobSpec(0, site, gone, gone, [0], {}, None, (2, 3))
+    done: list[float] = []
+    future: Future = process.submit(MonitorProcess.new_owner(), spec, done.append)
+    with pytest.raises(RuntimeError, match="nonexistent"):
+        future.result(timeout=60)
+    assert done == [0.0] and process.alive  # the buffers go back; the worker goes on
