@@ -136,7 +136,6 @@ class Measurements:
         """The monitor process for the QK jobs (``qk.worker``), or None: the monitor thread."""
         if mode == "thread" or not self.attention_sites:
             return None
-        on_cpu = not self.qk._cuda or self.qk.device == "cpu"
         usable = self.process_worker and process_supported() and not self.qk._cuda
         if mode == "process" and not usable:
             self.router_probe.detach()  # a failed construction leaves no hooks behind
@@ -144,7 +143,7 @@ class Measurements:
                 "qk.worker: 'process' needs the attention weights on the CPU in a one-process "
                 "run (on a GPU or across ranks the jobs run on the monitor thread: 'auto')"
             )
-        if not usable or not on_cpu:
+        if not usable:
             return None
         worker = ProcessWorker(self.qk.buffers)
         if not worker.process.alive:
