@@ -22,7 +22,10 @@ Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
    optimizer step, not ``agent.step``) against the share of it during which a monitor job ran
    (the jobs' wall intervals, timed around ``MonitorThread.submit``'s function, and as the
    monitor process reports them for the QK jobs it runs, ``qk.worker``), fitted as
-   step = idle + slope x busy share; the contention per step is slope x the mean busy share.
+   step = idle + slope_thread x thread share + slope_process x process share (a job on the
+   monitor thread and one in the process slow the training thread by different amounts: the
+   interpreter lock); the contention per step is the sum of slope x mean share. The one-slope
+   fit on any job is printed too, comparable with the earlier tables.
 3. Frontier shape: one attention layer with d = 4096, 32 query heads of d_h = 128 and 8 KV heads
    (GQA), measured through the agent's own probe code (snapshot + compute_qk_samples) for all
    heads and for the sampled subset, extrapolated to 32 layers with the default and a sampled
@@ -42,6 +45,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from provenance import provenance
 from timing import QKLayer
@@ -74,7 +78,8 @@ def child(variant: str, steps: int) -> dict:
     from agent.testbed.scenarios import ScenarioConfig  # noqa: PLC0415
 
     imported = time.perf_counter() - t0
-    jobs: list[tuple[float, float]] = []  # monitor jobs' wall intervals (perf_counter, s)
+    # monitor jobs' wall intervals (perf_counter, s), on the monitor thread and in the process
+    jobs: dict[str, list[tuple[float, float]]] = {"thread": [], "process": []}
     steps_timed: list[tuple[float, float]] = []  # training steps' wall intervals
     untime = _time_monitor_jobs(jobs) if variant != "bare" else lambda: None
     with tempfile.TemporaryDirectory() as run_dir:
@@ -115,11 +120,11 @@ def child(variant: str, steps: int) -> dict:
     }
 
 
-def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], None]:
+def _time_monitor_jobs(intervals: dict[str, list[tuple[float, float]]]) -> Callable[[], None]:
     """Record the wall interval of every job the agent hands to its monitor thread or process
     (this benchmark's instrumentation: ``MonitorThread.submit`` and the process's result
-    handler wrapped before the agent is built);
-    returns what undoes it."""
+    handler wrapped before the agent is built), under ``"thread"`` and ``"process"``; returns
+    what undoes it."""
     from agent.monitor_thread import MonitorThread  # noqa: PLC0415
 
     submit = MonitorThread.submit
@@ -130,7 +135,7 @@ def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], Non
             try:
                 return fn()
             finally:
-                intervals.append((start, time.perf_counter()))
+                intervals["thread"].append((start, time.perf_counter()))
 
         return submit(self, timed)
 
@@ -143,7 +148,7 @@ def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], Non
 
     def timed_resolve(self: MonitorProcess, message: tuple) -> None:
         if message[0] == "done":
-            intervals.append(message[4])
+            intervals["process"].append(message[4])
         resolve(self, message)
 
     MonitorProcess._resolve = timed_resolve  # type: ignore[method-assign]
@@ -156,28 +161,60 @@ def _time_monitor_jobs(intervals: list[tuple[float, float]]) -> Callable[[], Non
 
 
 def step_contention(
-    steps: list[tuple[float, float]], jobs: list[tuple[float, float]], skip: int = 20
-) -> dict[str, float]:
+    steps: list[tuple[float, float]],
+    jobs: dict[str, list[tuple[float, float]]] | list[tuple[float, float]],
+    skip: int = 20,
+) -> dict:
     """How much a running monitor job slows a training step: the least-squares fit of each
-    step's wall time on the share of it during which a job ran (the first ``skip`` steps, the
-    allocator's warm-up, left out). ``per_step_s``: slope x mean busy share, the seconds the
-    monitor thread adds to an average step."""
-    jobs = sorted(jobs)
-    durations, busy = [], []
-    for start, end in steps[skip:]:
-        overlap = sum(max(0.0, min(end, j1) - max(start, j0)) for j0, j1 in jobs)
-        durations.append(end - start)
-        busy.append(min(1.0, overlap / (end - start)))
-    mean_busy = statistics.fmean(busy) if busy else 0.0
-    if len(busy) < 2 or statistics.pvariance(busy) == 0:
-        idle = statistics.fmean(durations) if durations else 0.0
-        return {"busy_share": mean_busy, "idle_s": idle, "slope_s": 0.0, "per_step_s": 0.0}
-    slope, idle = statistics.linear_regression(busy, durations)
+    step's wall time on the share of it during which a job of each kind ran (``jobs``: the
+    intervals by kind, "thread" and "process"; a plain list is one kind), the first ``skip``
+    steps (the allocator's warm-up) left out: step = idle + sum_k slope_k x share_k. Returns
+    ``busy_share`` (any kind), ``idle_s``, ``slope_s`` (the one-kind fit on any job, comparable
+    across variants), ``per_step_s`` (sum_k slope_k x mean share_k: the seconds the jobs add
+    to an average step) and ``kinds``: {kind: {share, slope_s, per_step_s}} for the kinds that
+    ran."""
+    by_kind = jobs if isinstance(jobs, dict) else {"jobs": jobs}
+    timed = steps[skip:]
+    durations = np.array([end - start for start, end in timed], dtype=np.float64)  # (n,) s
+
+    def shares(intervals: list[tuple[float, float]]) -> np.ndarray:  # (n,) in [0, 1]
+        out = np.zeros(len(timed))
+        for i, (start, end) in enumerate(timed):
+            overlap = sum(max(0.0, min(end, j1) - max(start, j0)) for j0, j1 in intervals)
+            out[i] = min(1.0, overlap / (end - start))
+        return out
+
+    share = {k: shares(v) for k, v in by_kind.items() if v}
+    share = {k: v for k, v in share.items() if len(v) > 1 and v.var() > 0}
+    merged = shares(sorted(j for v in by_kind.values() for j in v))
+    fit = _least_squares(durations, {"any": merged} if merged.var() > 0 else {})
+    kinds_fit = _least_squares(durations, share)
+    kinds = {
+        k: {
+            "share": float(share[k].mean()),
+            "slope_s": kinds_fit["slopes"][k],
+            "per_step_s": kinds_fit["slopes"][k] * float(share[k].mean()),
+        }
+        for k in share
+    }
     return {
-        "busy_share": mean_busy,
-        "idle_s": idle,
-        "slope_s": slope,
-        "per_step_s": slope * mean_busy,
+        "busy_share": float(merged.mean()) if len(merged) else 0.0,
+        "idle_s": kinds_fit["idle"],
+        "slope_s": fit["slopes"].get("any", 0.0),
+        "per_step_s": sum(v["per_step_s"] for v in kinds.values()),
+        "kinds": kinds,
+    }
+
+
+def _least_squares(y: np.ndarray, regressors: dict[str, np.ndarray]) -> dict:
+    """y = idle + sum_k slope_k x_k by least squares: {"idle": s, "slopes": {k: s}}."""
+    if len(y) == 0:
+        return {"idle": 0.0, "slopes": {k: 0.0 for k in regressors}}
+    design = np.column_stack([np.ones(len(y)), *regressors.values()])  # (n, 1 + kinds)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    return {
+        "idle": float(coef[0]),
+        "slopes": dict(zip(regressors, map(float, coef[1:]), strict=True)),
     }
 
 
@@ -315,7 +352,10 @@ def estimate_table(
         "monitor job running, share of the training steps' time": [],
         "training step while no job runs (fit)": [],
         "a step wholly beside a running job: slower by (fit)": [],
-        "monitor thread contention per step (slope x share)": [],
+        "jobs on the monitor thread (router reductions; QK until the process is ready): share,"
+        " a step wholly beside one slower by (fit on both kinds)": [],
+        "QK jobs in the monitor process: share, a step wholly beside one slower by": [],
+        "monitor jobs' contention per step (sum of slope x share)": [],
         "building the agent + `close()`, spread over the run": [],
         "**estimated overhead per step (own work + contention + build/close)**": [],
     }
@@ -329,6 +369,15 @@ def estimate_table(
         next(values).append(f"{share:.1%}")
         next(values).append(f"{1e3 * idle:.2f} ms")
         next(values).append(f"{1e3 * slope:+.2f} ms")
+        for kind in ("thread", "process"):
+            fits = [r["contention"]["kinds"].get(kind) for r in rs]
+            fits = [f for f in fits if f is not None]
+            next(values).append(
+                f"{statistics.fmean(f['share'] for f in fits):.1%}, "
+                f"{1e3 * statistics.fmean(f['slope_s'] for f in fits):+.2f} ms"
+                if fits
+                else "-"
+            )
         next(values).append(cell(contention))
         next(values).append(cell(once))
         next(values).append(f"**{cell(own[variant] + contention + once)}**")

@@ -51,6 +51,30 @@ def test_the_fit_recovers_the_slowdown_a_running_job_causes(overhead) -> None:
     assert overhead.step_contention(steps, jobs, skip=45)["busy_share"] == pytest.approx(5.5 / 55)
 
 
+def test_the_fit_tells_a_thread_job_from_a_process_job(overhead) -> None:
+    # 200 steps of 10 ms; a thread job beside steps 40-59 adds 6 ms, a process job beside
+    # steps 120-139 adds 0.5 ms, and half of step 150 overlaps a thread job
+    steps, kinds, now = [], {"thread": [], "process": []}, 0.0
+    for i in range(200):
+        thread = 1.0 if 40 <= i < 60 else (0.5 if i == 150 else 0.0)
+        process = 1.0 if 120 <= i < 140 else 0.0
+        length = 0.010 + 0.006 * thread + 0.0005 * process
+        steps.append((now, now + length))
+        if thread:
+            kinds["thread"].append((now, now + thread * length))
+        if process:
+            kinds["process"].append((now, now + length))
+        now += length
+    fit = overhead.step_contention(steps, kinds, skip=0)
+    assert fit["idle_s"] == pytest.approx(0.010, rel=1e-9)
+    assert fit["kinds"]["thread"]["slope_s"] == pytest.approx(0.006, rel=1e-6)
+    assert fit["kinds"]["process"]["slope_s"] == pytest.approx(0.0005, rel=1e-6)
+    assert fit["kinds"]["thread"]["share"] == pytest.approx(20.5 / 200, rel=1e-9)
+    expected = 0.006 * 20.5 / 200 + 0.0005 * 20 / 200
+    assert fit["per_step_s"] == pytest.approx(expected, rel=1e-6)
+    assert fit["busy_share"] == pytest.approx(40.5 / 200, rel=1e-9)
+
+
 def test_no_job_no_contention_and_a_job_that_costs_nothing_costs_nothing(overhead) -> None:
     steps, _ = _timeline(idle=0.010, extra=0.0)
     assert overhead.step_contention(steps, [], skip=0)["per_step_s"] == 0.0
@@ -73,3 +97,4 @@ def test_an_agent_run_reports_its_parts_busy_share_and_build_time(overhead) -> N
     contention = result["contention"]
     assert 0 < contention["busy_share"] < 1
     assert contention["idle_s"] > 0
+    assert set(contention["kinds"]) <= {"thread", "process"} and contention["kinds"]
