@@ -109,6 +109,8 @@ class Measurements:
             },
         )
         self.worker = self._start_worker(config.qk.worker)
+        # its shared files, removed at close even when the worker exited and was dropped
+        self._worker_files = None if self.worker is None else self.worker.files
         self.budget = (
             MonitorBudget(
                 qk.budget,
@@ -149,6 +151,7 @@ class Measurements:
         if not worker.process.alive:
             self.report("qk monitor", f"{worker.process.error}; measuring on the monitor thread")
             return None
+        self.router_probe.allocate_cpu_with(worker.files.allocate)  # reduced there too
         return worker
 
     # -- the training thread -----------------------------------------------------------------
@@ -216,6 +219,8 @@ class Measurements:
         self.router_probe.detach()
         if self.worker is not None:
             self.worker.close()
+        if self._worker_files is not None:  # a worker that exited: its files all the same
+            self._worker_files.close()
         for future in [f for _, f in self._pending + list(self._router_handed.values())]:
             future.cancel()
         self._pending.clear()
@@ -238,8 +243,9 @@ class Measurements:
 
     def _hand_over_routers(self, step: int) -> None:
         """``apply_lag`` steps before a router read-out, hand the routers' buffered forwards to
-        the monitor thread: the read-out at t then covers the forwards up to t - apply_lag,
-        reduced off the training thread. With ``apply_lag`` 0 (or not below ``router.every``)
+        the monitor process (when the QK jobs run there and it is ready) or the monitor
+        thread: the read-out at t then covers the forwards up to t - apply_lag, reduced off
+        the training thread. With ``apply_lag`` 0 (or not below ``router.every``)
         the read-out reduces everything up to t itself."""
         every = self.config.router.every
         lag = self.config.scheduling.apply_lag
@@ -248,8 +254,16 @@ class Measurements:
         batches = self._guarded("router probe", self.router_probe.hand_over, None)
         if batches is None:
             return
-        reduce = self.costs.on_monitor_thread(lambda: [batch.reduce() for batch in batches])
-        self._router_handed[step + lag] = (batches, self.submit(reduce))
+        future = None
+        worker = self.worker
+        if worker is not None and worker.ready and worker.process.alive:
+            future = worker.reduce(batches, lambda seconds: self.costs.add(MONITOR_THREAD, seconds))
+            if future.done() and future.exception() is not None:  # not on shared files
+                future = None
+        if future is None:
+            reduce = self.costs.on_monitor_thread(lambda: [b.reduce() for b in batches])
+            future = self.submit(reduce)
+        self._router_handed[step + lag] = (batches, future)
 
     def _router_rows(self, step: int) -> list[torch.Tensor | None] | None:
         """The reduced rows handed over for read-out ``step`` (None: nothing was handed over;

@@ -1,4 +1,5 @@
-"""QK jobs in a monitor process (``qk.worker``): the training process's side.
+"""QK jobs and router reductions in a monitor process (``qk.worker``): the training process's
+side.
 
 Why: a QK job is torch calls with Python in between; on a thread of the training process that
 Python holds the interpreter lock the training thread needs between its own torch calls, and a
@@ -42,11 +43,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agent.monitor_worker import JobSpec, read_frame, write_frame
+from agent.monitor_worker import BatchSpec, JobSpec, ReduceSpec, read_frame, write_frame
 
 if TYPE_CHECKING:
     from agent.discovery import AttentionSite
     from agent.probes import QKJob, SnapshotBuffers
+    from agent.router_buffer import HandedBatch
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,13 @@ class SharedFiles:
         self._paths: dict[int, str] = {}  # data_ptr -> path
         self._directory = shared_directory()
 
-    def allocate(self, shape: torch.Size) -> torch.Tensor:
+    def allocate(
+        self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        shape = torch.Size(shape)
         numel = max(1, shape.numel())
         path = str(self._directory / f"mechwatch-{os.getpid()}-{uuid.uuid4().hex}")
-        tensor = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         tensor = tensor[: shape.numel()].view(shape)
         self._paths[tensor.data_ptr()] = path
         weakref.finalize(tensor, self._release, tensor.data_ptr(), path)
@@ -86,6 +91,11 @@ class SharedFiles:
         """(path, shape) of a tensor allocated here (None: another tensor)."""
         path = self._paths.get(tensor.data_ptr())
         return None if path is None else (path, tuple(tensor.shape))
+
+    def where_typed(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str] | None:
+        """(path, shape, dtype name) of a whole tensor allocated here (None: another one)."""
+        where = self.where(tensor)
+        return None if where is None else (*where, str(tensor.dtype).removeprefix("torch."))
 
     def _release(self, pointer: int, path: str) -> None:
         self._paths.pop(pointer, None)
@@ -251,9 +261,9 @@ def _unlink(path: str) -> None:
 
 
 class ProcessWorker:
-    """One ``Measurements``' use of the shared monitor process: its snapshot buffers are
-    allocated on shared files, its jobs are sent as ``JobSpec``s, its Delta_2 directions live
-    in the worker under its owner number."""
+    """One ``Measurements``' use of the shared monitor process: its snapshot buffers (and the
+    routers' logit buffers) are allocated on shared files, its jobs are sent as ``JobSpec``s
+    (and ``ReduceSpec``s), its Delta_2 directions live in the worker under its owner number."""
 
     def __init__(self, buffers: SnapshotBuffers) -> None:
         self.process = MonitorProcess.shared()
@@ -296,6 +306,25 @@ class ProcessWorker:
             return future
         self._sent.add(job.site.name)
         return self.process.submit(self.owner, spec, done)
+
+    def reduce(self, batches: list[HandedBatch], done: Done) -> Future:
+        """The routers' (5 + E,) rows of one read-out, reduced by the worker (a failed future
+        when a batch's logits are not on a shared file)."""
+        specs = []
+        for batch in batches:
+            where = None
+            if batch.logits is not None and batch.storage is not None:
+                where = self.files.where_typed(batch.storage.tensor)
+                if where is None:
+                    future: Future = Future()
+                    future.set_exception(ValueError("router logits are not on a shared file"))
+                    return future
+            filled = 0 if batch.logits is None else batch.logits.shape[0]
+            tokens_first = batch.storage is not None and batch.storage.tokens_first
+            specs.append(
+                BatchSpec(batch.top_k, where, filled, tokens_first, batch.sums, batch.load)
+            )
+        return self.process.submit(self.owner, ReduceSpec(specs), done)
 
     def reset(self) -> None:
         """The run rolled back: the worker forgets this owner's directions."""

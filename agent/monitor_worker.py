@@ -1,21 +1,23 @@
 """The monitor process's main loop (``python -m agent.monitor_worker READ_FD WRITE_FD``): QK jobs
-computed off the training process, so that their Python code never holds the training
-process's interpreter lock (benchmarks/results/monitor_contention.md: the same jobs slow a
-training step by 41% on a thread of its process, by 2% in another process).
+and router reductions computed off the training process, so that their Python code never holds
+the training process's interpreter lock (benchmarks/results/monitor_contention.md: the same
+jobs slow a training step by 41% on a thread of its process, by 2% in another process).
 
 The worker first answers ``("ready",)`` (torch imported). The training process
 (``agent.monitor_process``) sends frames over a pipe; each frame is one pickled tuple:
 
-* ``("job", job_id, owner, spec)``: compute the QK samples of one job (``JobSpec``) and answer
-  ``("done", job_id, samples, cpu_seconds, (start, end))`` (``end - start``: its wall time on
-  ``time.perf_counter``, the system's monotonic clock on Linux) or ``("error", job_id, text)``;
+* ``("job", job_id, owner, spec)``: compute the QK samples of one job (``JobSpec``), or the
+  routing sums of the routers' handed-over logits (``ReduceSpec``: a list of (5 + E,) rows),
+  and answer ``("done", job_id, result, cpu_seconds, (start, end))`` (``end - start``: its
+  wall time on ``time.perf_counter``, the system's monotonic clock on Linux) or
+  ``("error", job_id, text)``;
 * ``("reset", owner)``: forget ``owner``'s Delta_2 directions (the run rolled back);
 * ``("unmap", paths)``: drop the mappings of snapshot files the training process let go;
 * ``("forget", owner)``: the owner closed (its directions are dropped).
 
-Snapshots are never sent: they are files (``/dev/shm``) both processes map; a frame names
-them by path and shape. When the training process goes away (end of file on the pipe) the
-worker removes every snapshot file it knows of and exits.
+Snapshots and router logit buffers are never sent: they are files (``/dev/shm``) both
+processes map; a frame names them by path and shape (and dtype). When the training process goes
+away (end of file on the pipe) the worker removes every file it knows of and exits.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from agent.discovery import AttentionSite
 from agent.probes import QKJob, compute_qk_samples
+from agent.router_buffer import HandedBatch
 
 _HEADER = struct.Struct("<Q")  # frame length, bytes
 
@@ -50,6 +53,26 @@ class JobSpec:
     # (layer, head) -> Delta_2 top direction (d,) measured on the monitor thread before this
     # layer's first job in the worker
     directions: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class BatchSpec:
+    """A ``HandedBatch`` without tensors: its logit buffer as (path, shape, dtype name) of the
+    whole storage, the forwards filled, its layout, and the sums already reduced."""
+
+    top_k: int
+    storage: tuple[str, tuple[int, ...], str] | None  # None: no forward buffered
+    filled: int
+    tokens_first: bool
+    sums: torch.Tensor | None  # (5,)
+    load: torch.Tensor | None  # (E,)
+
+
+@dataclass
+class ReduceSpec:
+    """The routers' batches handed over for one read-out (``HandedBatch.reduce`` each)."""
+
+    batches: list[BatchSpec]
 
 
 def write_frame(fd: int, message: object) -> None:
@@ -88,15 +111,31 @@ class Worker:
         self.mapped: dict[str, torch.Tensor] = {}  # path -> flat fp32 tensor on the file
         self.directions: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # owner -> ...
 
-    def tensor(self, path: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def tensor(
+        self, path: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         flat = self.mapped.get(path)
         numel = 1
         for n in shape:
             numel *= n
-        if flat is None or flat.numel() != numel:
-            flat = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+        if flat is None or flat.numel() != numel or flat.dtype != dtype:
+            flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
             self.mapped[path] = flat
         return flat.view(shape)
+
+    def reduce(self, spec: ReduceSpec) -> tuple[list[torch.Tensor | None], float]:
+        """Each batch's (5 + E,) routing sums (``HandedBatch.reduce``) and the CPU seconds."""
+        start = time.thread_time()
+        rows = []
+        for batch in spec.batches:
+            logits = None
+            if batch.storage is not None and batch.filled:
+                path, shape, dtype = batch.storage
+                tensor = self.tensor(path, shape, getattr(torch, dtype))[: batch.filled]
+                logits = tensor.transpose(1, 2) if batch.tokens_first else tensor
+            handed = HandedBatch(batch.top_k, logits, batch.sums, batch.load, None)
+            rows.append(handed.reduce())
+        return rows, time.thread_time() - start
 
     def compute(self, owner: int, spec: JobSpec) -> tuple[list, float]:
         """The job's samples and the CPU seconds they took."""
@@ -123,7 +162,10 @@ class Worker:
             _, job_id, owner, spec = message
             began = time.perf_counter()
             try:
-                samples, seconds = self.compute(owner, spec)
+                if isinstance(spec, ReduceSpec):
+                    samples, seconds = self.reduce(spec)
+                else:
+                    samples, seconds = self.compute(owner, spec)
             except Exception as exc:
                 write_frame(write, ("error", job_id, f"{type(exc).__name__}: {exc}"))
             else:
@@ -159,4 +201,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # Run the imported module's main, not this __main__ copy: the specs the training process
+    # pickles are agent.monitor_worker's classes, and isinstance must see the same ones.
+    from agent.monitor_worker import main as module_main
+
+    sys.exit(module_main(sys.argv[1:]))

@@ -21,13 +21,15 @@ a buffer of that layout, which is a plain copy instead of a product; the reducti
 experts first (a transposed view, made contiguous where it is reduced).
 
 Off the training thread: ``hand_over()`` gives the buffered forwards and sums to a
-``HandedBatch`` that the monitor thread reduces (``HandedBatch.reduce``), while the hooks go on
+``HandedBatch`` that the monitor thread reduces (``HandedBatch.reduce``), or the monitor
+process, whose shared files then hold the CPU buffers (``allocate_cpu``), while the hooks go on
 writing into a second buffer; the first one is reused once the batch was reduced
 (``recycle``). The training thread then pays only the product per forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +104,9 @@ class RouterLogitBuffer:
         self._filled = 0  # slots holding a forward's logits
         self._sums: torch.Tensor | None = None  # (5,) in ROUTING_SUM_FIELDS order, fp32+
         self._load: torch.Tensor | None = None  # (E,) summed load fractions
+        # Allocates the CPU logit buffers (shape, dtype) -> tensor: shared files when the
+        # reductions run in the monitor process (agent.monitor_process); None: torch.empty.
+        self.allocate_cpu: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
 
     def add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Buffer z^T = W x^T + b for x (tokens, d), W [E, d], b [E], at x's precision; x, W
@@ -195,7 +200,11 @@ class RouterLogitBuffer:
             per_forward = max(1, tokens * e * z.element_size())
             slots = max(1, min(self.max_forwards, self.max_bytes // per_forward))
             shape = (slots, tokens, e) if tokens_first else (slots, e, tokens)
-            spare = _Storage(torch.empty(shape, dtype=z.dtype, device=z.device), tokens_first)
+            if self.allocate_cpu is not None and z.device.type == "cpu":
+                tensor = self.allocate_cpu(shape, z.dtype)
+            else:
+                tensor = torch.empty(shape, dtype=z.dtype, device=z.device)
+            spare = _Storage(tensor, tokens_first)
         self._storage = spare
         self._slots = list(spare.tensor.unbind(0))
 

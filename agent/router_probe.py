@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -220,6 +221,14 @@ class RouterProbe:
         """At the first read-out: name (once) every router that has produced no data."""
         if not self._checked:
             self._name_silent_routers()
+
+    def allocate_cpu_with(
+        self, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+    ) -> None:
+        """Allocate the routers' CPU logit buffers with ``allocate`` from now on (the monitor
+        process's shared files: the reductions then run there)."""
+        for buffer in self._buffers:
+            buffer.allocate_cpu = allocate
 
     def hand_over(self) -> list[HandedBatch]:
         """Every router's forwards since its last take or hand-over, to reduce on the monitor

@@ -21,7 +21,7 @@ Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
    wall time of every training step (``run.step()``, the model's forward, backward and
    optimizer step, not ``agent.step``) against the share of it during which a monitor job ran
    (the jobs' wall intervals, timed around ``MonitorThread.submit``'s function, and as the
-   monitor process reports them for the QK jobs it runs, ``qk.worker``), fitted as
+   monitor process reports them for the jobs it runs, ``qk.worker``), fitted as
    step = idle + slope_thread x thread share + slope_process x process share (a job on the
    monitor thread and one in the process slow the training thread by different amounts: the
    interpreter lock); the contention per step is the sum of slope x mean share. The one-slope
@@ -352,9 +352,10 @@ def estimate_table(
         "monitor job running, share of the training steps' time": [],
         "training step while no job runs (fit)": [],
         "a step wholly beside a running job: slower by (fit)": [],
-        "jobs on the monitor thread (router reductions; QK until the process is ready): share,"
-        " a step wholly beside one slower by (fit on both kinds)": [],
-        "QK jobs in the monitor process: share, a step wholly beside one slower by": [],
+        "jobs on the monitor thread (all of them with `qk.worker: thread`; else those before"
+        " the process is ready): share, a step wholly beside one slower by (fit on both kinds)": [],
+        "jobs in the monitor process (QK, router reductions): share, a step wholly beside one"
+        " slower by": [],
         "monitor jobs' contention per step (sum of slope x share)": [],
         "building the agent + `close()`, spread over the run": [],
         "**estimated overhead per step (own work + contention + build/close)**": [],

@@ -1,5 +1,6 @@
-"""QK jobs in the monitor process (``qk.worker: process``, agent/monitor_process.py): the same
-samples as on the thread, the run goes on when the worker dies, and no snapshot file is left."""
+"""QK jobs and router reductions in the monitor process (``qk.worker: process``,
+agent/monitor_process.py): the same samples as on the thread, the run goes on when the worker
+dies, and no snapshot or logit file is left."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _measure(
     ready_at: int | None = None,
 ) -> tuple[list[Sample], list[tuple[str, str]], Measurements]:
     """Drive a test-bed run through ``Measurements`` (default agent config) with the jobs on
-    ``worker``; returns every QK sample, the reported failures and the measurements."""
+    ``worker``; returns every QK and router sample, the reported failures and the
+    measurements."""
     torch.manual_seed(0)
     run = TestbedRun(ScenarioConfig.preset("clean", seed=3, steps=STEPS), record_monitors=False)
     config = AgentConfig.model_validate({"run_dir": tmp_path, "qk": {"worker": worker}})
@@ -64,19 +66,38 @@ def _measure(
                 process = measurements.worker.process._process
                 process.kill()
                 process.wait()
-            samples += [s for s in measurements.collect(step) if "layer" in s.label_dict]
+            samples += [
+                s
+                for s in measurements.collect(step)
+                if "layer" in s.label_dict or "router" in s.label_dict
+            ]
     finally:
         measurements.close()
         thread.shutdown()
     return samples, reports, measurements
 
 
-def test_the_process_measures_what_the_thread_measures(tmp_path) -> None:
+def test_the_process_measures_what_the_thread_measures(tmp_path, monkeypatch) -> None:
+    from agent.monitor_process import ProcessWorker  # noqa: PLC0415
+
+    reduced: list[bool] = []  # one per read-out whose router reduction went to the worker
+    reduce = ProcessWorker.reduce
+
+    def counted(self, batches, done):  # noqa: ANN001, ANN202
+        future = reduce(self, batches, done)
+        reduced.append(not (future.done() and future.exception() is not None))
+        return future
+
+    monkeypatch.setattr(ProcessWorker, "reduce", counted)
     on_thread, _, thread_run = _measure("thread", tmp_path / "t", restart_at=60)
+    assert reduced == []
     in_process, reports, process_run = _measure("process", tmp_path / "p", restart_at=60)
+    assert len(reduced) >= 5 and all(reduced)  # read-outs at 25..150, once the worker is ready
     assert thread_run.worker is None and process_run.worker is not None
     assert reports == []
     assert len(on_thread) == len(in_process) > 100
+    routers = [s for s in in_process if "router" in s.label_dict]
+    assert {s.metric for s in routers} >= {"router_entropy_norm", "router_load_max"}
     key = lambda s: (s.step, s.metric, s.labels)  # noqa: E731
     for a, b in zip(sorted(on_thread, key=key), sorted(in_process, key=key), strict=True):
         assert key(a) == key(b)
@@ -103,16 +124,29 @@ def test_a_dead_worker_is_reported_and_the_thread_takes_over(tmp_path) -> None:
     samples, reports, measurements = _measure("process", tmp_path, kill_at=52)
     assert measurements.worker is None  # fell back
     assert any(what == "qk monitor" and "exited" in text for what, text in reports), reports
-    steps = {s.step for s in samples}
+    steps = {s.step for s in samples if "layer" in s.label_dict}
     assert {125, 150} <= steps  # measured on the thread after the worker died
+    router_steps = {s.step for s in samples if s.metric == "router_entropy_norm"}
+    assert {125, 150} <= router_steps  # reduced on the thread after it died
     MonitorProcess.shared()  # a new worker for the next agent of this process
 
 
+def _files_of_this_process() -> set[str]:
+    prefix = f"mechwatch-{os.getpid()}-"
+    return {n for n in os.listdir(shared_directory()) if n.startswith(prefix)}
+
+
 def test_no_snapshot_file_is_left_behind(tmp_path) -> None:
+    before = _files_of_this_process()  # those of agents other tests left open
     _measure("process", tmp_path)
     gc.collect()
-    prefix = f"mechwatch-{os.getpid()}-"
-    assert [n for n in os.listdir(shared_directory()) if n.startswith(prefix)] == []
+    assert _files_of_this_process() - before == set()
+    # the worker exits and is dropped: close removes its files all the same, while the
+    # measurements (and their router buffers) are still referenced
+    _, _, closed = _measure("process", tmp_path / "killed", kill_at=52)
+    MonitorProcess.shared()
+    assert closed.worker is None
+    assert _files_of_this_process() - before == set()
 
 
 def test_process_on_request_needs_cpu_weights_in_one_process(tmp_path) -> None:
