@@ -85,6 +85,7 @@ class SharedFiles:
         tensor = tensor[: shape.numel()].view(shape)
         self._paths[tensor.data_ptr()] = path
         weakref.finalize(tensor, self._release, tensor.data_ptr(), path)
+        self._process.adopt(path)  # removed by the worker if this process dies first
         return tensor
 
     def where(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]] | None:
@@ -188,6 +189,11 @@ class MonitorProcess:
     def unmap(self, paths: list[str]) -> None:
         if paths:
             self._send(("unmap", paths))
+
+    def adopt(self, path: str) -> None:
+        """The worker removes ``path`` when it ends, even if it never mapped it (this
+        process killed before it let the file go)."""
+        self._send(("adopt", path))
 
     def _send(self, message: tuple) -> None:
         if self.alive:

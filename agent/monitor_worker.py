@@ -13,6 +13,7 @@ The worker first answers ``("ready",)`` (torch imported). The training process
   ``("error", job_id, text)``;
 * ``("reset", owner)``: forget ``owner``'s Delta_2 directions (the run rolled back);
 * ``("unmap", paths)``: drop the mappings of snapshot files the training process let go;
+* ``("adopt", path)``: a file the training process made; removed at the end if still there;
 * ``("forget", owner)``: the owner closed (its directions are dropped).
 
 Snapshots and router logit buffers are never sent: they are files (``/dev/shm``) both
@@ -109,6 +110,7 @@ def _read_exact(fd: int, size: int) -> bytes | None:
 class Worker:
     def __init__(self) -> None:
         self.mapped: dict[str, torch.Tensor] = {}  # path -> flat fp32 tensor on the file
+        self.adopted: set[str] = set()  # files to remove at the end (mapped or not)
         self.directions: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # owner -> ...
 
     def tensor(
@@ -176,9 +178,12 @@ class Worker:
         elif kind == "unmap":
             for path in message[1]:
                 self.mapped.pop(path, None)
+                self.adopted.discard(path)
+        elif kind == "adopt":
+            self.adopted.add(message[1])
 
     def remove_files(self) -> None:
-        for path in self.mapped:
+        for path in set(self.mapped) | self.adopted:
             try:
                 os.unlink(path)
             except OSError:

@@ -178,3 +178,51 @@ def test_a_job_that_fails_in_the_worker_fails_its_future_only() -> None:
     with pytest.raises(RuntimeError, match="nonexistent"):
         future.result(timeout=60)
     assert done == [0.0] and process.alive  # the buffers go back; the worker goes on
+
+
+TRAINER = """
+import sys, time, tempfile, torch
+torch.set_num_threads(1)
+from agent.agent import Agent
+from agent.config import AgentConfig
+from agent.testbed.runner import TestbedRun
+from agent.testbed.scenarios import ScenarioConfig
+run = TestbedRun(ScenarioConfig.preset("clean", seed=0, steps=20), record_monitors=False)
+agent = Agent(run.model, run.optimizer, run.scheduler, AgentConfig(run_dir=tempfile.mkdtemp()))
+agent.measurements.worker.process.ready.wait(60)
+for step in range(10):
+    agent.step(step, loss=run.step())
+print("trained", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_training_process_leaves_no_file(tmp_path) -> None:
+    """SIGKILL before the agent let its files go (router logit buffers the worker never
+    mapped): the worker, seeing its pipe close, removes every file the process made."""
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "trained"
+        prefix = f"mechwatch-{child.pid}-"
+        made = [n for n in os.listdir(shared_directory()) if n.startswith(prefix)]
+        assert made  # the router buffers (and any snapshot) are shared files
+        time.sleep(0.5)  # the writer thread has sent the adoptions
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            left = [n for n in os.listdir(shared_directory()) if n.startswith(prefix)]
+            if not left:
+                break
+            time.sleep(0.2)
+        assert left == []
+    finally:
+        if child.poll() is None:
+            child.kill()
