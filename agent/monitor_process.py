@@ -61,6 +61,12 @@ def shared_directory() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def file_prefix() -> str:
+    """The path prefix of every shared file this process makes (the worker removes whatever
+    is left under it when it ends: a file made just before this process was killed)."""
+    return str(shared_directory() / f"mechwatch-{os.getpid()}-")
+
+
 def process_supported() -> bool:
     """The worker needs ``torch.from_file`` shared mappings and fd passing: POSIX."""
     return os.name == "posix"
@@ -73,14 +79,13 @@ class SharedFiles:
     def __init__(self, process: MonitorProcess) -> None:
         self._process = process
         self._paths: dict[int, str] = {}  # data_ptr -> path
-        self._directory = shared_directory()
 
     def allocate(
         self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         shape = torch.Size(shape)
         numel = max(1, shape.numel())
-        path = str(self._directory / f"mechwatch-{os.getpid()}-{uuid.uuid4().hex}")
+        path = file_prefix() + uuid.uuid4().hex
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         tensor = tensor[: shape.numel()].view(shape)
         self._paths[tensor.data_ptr()] = path
@@ -151,7 +156,7 @@ class MonitorProcess:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "agent.monitor_worker"]
-                + [str(to_worker_read), str(from_worker_write)],
+                + [str(to_worker_read), str(from_worker_write), file_prefix()],
                 pass_fds=(to_worker_read, from_worker_write),
                 env=env,
                 stdin=subprocess.DEVNULL,

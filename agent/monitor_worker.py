@@ -3,7 +3,8 @@ and router reductions computed off the training process, so that their Python co
 the training process's interpreter lock (benchmarks/results/monitor_contention.md: the same
 jobs slow a training step by 41% on a thread of its process, by 2% in another process).
 
-The worker first answers ``("ready",)`` (torch imported). The training process
+Arguments: the pipe ends, and the path prefix of the training process's shared files. The
+worker first answers ``("ready",)`` (torch imported). The training process
 (``agent.monitor_process``) sends frames over a pipe; each frame is one pickled tuple:
 
 * ``("job", job_id, owner, spec)``: compute the QK samples of one job (``JobSpec``), or the
@@ -182,8 +183,19 @@ class Worker:
         elif kind == "adopt":
             self.adopted.add(message[1])
 
-    def remove_files(self) -> None:
-        for path in set(self.mapped) | self.adopted:
+    def remove_files(self, prefix: str | None = None) -> None:
+        """Remove the files it knows of and, with ``prefix``, every file whose path starts
+        with it (those the training process made just before it was killed)."""
+        paths = set(self.mapped) | self.adopted
+        if prefix:
+            directory, name = os.path.split(prefix)
+            try:
+                paths |= {
+                    os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(name)
+                }
+            except OSError:
+                pass
+        for path in paths:
             try:
                 os.unlink(path)
             except OSError:
@@ -192,6 +204,7 @@ class Worker:
 
 def main(argv: list[str]) -> int:
     read, write = int(argv[0]), int(argv[1])
+    prefix = argv[2] if len(argv) > 2 else None  # the training process's shared files
     torch.set_num_threads(int(os.environ.get("MECHWATCH_MONITOR_THREADS", "1")))
     worker = Worker()
     try:
@@ -201,7 +214,7 @@ def main(argv: list[str]) -> int:
     except (BrokenPipeError, KeyboardInterrupt):
         pass
     finally:
-        worker.remove_files()
+        worker.remove_files(prefix)
     return 0
 
 
