@@ -255,8 +255,8 @@ class Measurements:
         if batches is None:
             return
         future = None
-        worker = self.worker
-        if worker is not None and worker.ready and worker.process.alive:
+        worker = self._ready_worker()
+        if worker is not None:
             future = worker.reduce(batches, lambda seconds: self.costs.add(MONITOR_THREAD, seconds))
             if future.done() and future.exception() is not None:  # not on shared files
                 future = None
@@ -286,14 +286,20 @@ class Measurements:
 
     def _submit_job(self, job: QKJob) -> Future:
         orders = tuple(self.config.qk.orders)
+        worker = self._ready_worker()
+        if worker is not None:
+            return worker.submit(job, orders, lambda seconds: self._done(job, seconds))
+        return self.submit(self.costs.on_monitor_thread(lambda: self._compute(job, orders)))
+
+    def _ready_worker(self) -> ProcessWorker | None:
+        """The monitor process when it takes jobs now (None: the monitor thread); one that
+        exited is reported once and dropped."""
         if self.worker is not None and not self.worker.process.alive:
             self.report(
                 "qk monitor", f"{self.worker.process.error}; measuring on the monitor thread"
             )
             self.worker = None
-        if self.worker is not None and self.worker.ready:
-            return self.worker.submit(job, orders, lambda seconds: self._done(job, seconds))
-        return self.submit(self.costs.on_monitor_thread(lambda: self._compute(job, orders)))
+        return self.worker if self.worker is not None and self.worker.ready else None
 
     def _done(self, job: QKJob, seconds: float) -> None:
         """The monitor process computed ``job`` in ``seconds`` of its CPU time (its reader

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agent.monitor_worker import BatchSpec, JobSpec, ReduceSpec, read_frame, write_frame
+from agent.monitor_worker import BatchSpec, JobSpec, ReduceSpec, Where, read_frame, write_frame
 
 if TYPE_CHECKING:
     from agent.discovery import AttentionSite
@@ -93,15 +93,12 @@ class SharedFiles:
         self._process.adopt(path)  # removed by the worker if this process dies first
         return tensor
 
-    def where(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]] | None:
-        """(path, shape) of a tensor allocated here (None: another tensor)."""
-        path = self._paths.get(tensor.data_ptr())
-        return None if path is None else (path, tuple(tensor.shape))
-
-    def where_typed(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str] | None:
+    def where(self, tensor: torch.Tensor) -> Where | None:
         """(path, shape, dtype name) of a whole tensor allocated here (None: another one)."""
-        where = self.where(tensor)
-        return None if where is None else (*where, str(tensor.dtype).removeprefix("torch."))
+        path = self._paths.get(tensor.data_ptr())
+        if path is None:
+            return None
+        return path, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
 
     def _release(self, pointer: int, path: str) -> None:
         self._paths.pop(pointer, None)
@@ -325,7 +322,7 @@ class ProcessWorker:
         for batch in batches:
             where = None
             if batch.logits is not None and batch.storage is not None:
-                where = self.files.where_typed(batch.storage.tensor)
+                where = self.files.where(batch.storage.tensor)
                 if where is None:
                     future: Future = Future()
                     future.set_exception(ValueError("router logits are not on a shared file"))
@@ -353,7 +350,7 @@ class ProcessWorker:
             self._sites[site.name] = stripped
         return stripped
 
-    def _where(self, snapshot: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def _where(self, snapshot: dict[str, torch.Tensor]) -> dict[str, Where]:
         out = {}
         for name, tensor in snapshot.items():
             where = self.files.where(tensor)

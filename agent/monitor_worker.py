@@ -40,14 +40,17 @@ from agent.router_buffer import HandedBatch
 _HEADER = struct.Struct("<Q")  # frame length, bytes
 
 
+Where = tuple[str, tuple[int, ...], str]  # a tensor on a shared file: path, shape, dtype name
+
+
 @dataclass
 class JobSpec:
     """What a ``QKJob`` is, without tensors: snapshots as {parameter name: (path, shape)}."""
 
     step: int
     site: AttentionSite  # without its module and live parameters
-    previous: dict[str, tuple[str, tuple[int, ...]]]
-    current: dict[str, tuple[str, tuple[int, ...]]]
+    previous: dict[str, Where]
+    current: dict[str, Where]
     heads: list[int]
     controls: dict[str, str]
     control_rows: int | None
@@ -63,7 +66,7 @@ class BatchSpec:
     whole storage, the forwards filled, its layout, and the sums already reduced."""
 
     top_k: int
-    storage: tuple[str, tuple[int, ...], str] | None  # None: no forward buffered
+    storage: Where | None  # the whole buffer (None: no forward buffered)
     filled: int
     tokens_first: bool
     sums: torch.Tensor | None  # (5,)
@@ -110,13 +113,14 @@ def _read_exact(fd: int, size: int) -> bytes | None:
 
 class Worker:
     def __init__(self) -> None:
-        self.mapped: dict[str, torch.Tensor] = {}  # path -> flat fp32 tensor on the file
+        self.mapped: dict[str, torch.Tensor] = {}  # path -> flat tensor on the file
         self.adopted: set[str] = set()  # files to remove at the end (mapped or not)
         self.directions: dict[int, dict[tuple[str, int], torch.Tensor]] = {}  # owner -> ...
 
     def tensor(
-        self, path: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+        self, path: str, shape: tuple[int, ...], dtype_name: str = "float32"
     ) -> torch.Tensor:
+        dtype = getattr(torch, dtype_name)
         flat = self.mapped.get(path)
         numel = 1
         for n in shape:
@@ -133,8 +137,7 @@ class Worker:
         for batch in spec.batches:
             logits = None
             if batch.storage is not None and batch.filled:
-                path, shape, dtype = batch.storage
-                tensor = self.tensor(path, shape, getattr(torch, dtype))[: batch.filled]
+                tensor = self.tensor(*batch.storage)[: batch.filled]
                 logits = tensor.transpose(1, 2) if batch.tokens_first else tensor
             handed = HandedBatch(batch.top_k, logits, batch.sums, batch.load, None)
             rows.append(handed.reduce())
