@@ -17,6 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# ``np.median`` imports numpy.ma at its first call (~27 ms): that call comes from a rule
+# evaluation inside a training step; importing it here puts the cost at import time.
+import numpy.ma  # noqa: F401
+
 from agent.detectors.base import Detector, DetectorParams, DetectorProtocol, Trend
 from agent.detectors.baseline import BaselineDetector
 from agent.detectors.cusum import CUSUMDetector
