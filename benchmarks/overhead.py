@@ -1,7 +1,9 @@
 """What the agent costs: whole test-bed runs with and without it, where its time goes, and one
 monitor evaluation of a frontier-shaped layer stack.
 
-Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--out FILE]
+Run: python benchmarks/overhead.py [--pairs 6] [--steps 400] [--variants ...] [--out FILE]
+(``--steps 2000``: the test bed's default run length; ``--variants`` picks the agent variants,
+the bare run is always measured.)
 
 1. Whole runs (what a user sees): the test bed's clean run (seed 0, one torch thread) as
    separate processes, with and without a default ``Agent(model, optimizer, scheduler)``
@@ -218,11 +220,11 @@ def _least_squares(y: np.ndarray, regressors: dict[str, np.ndarray]) -> dict:
     }
 
 
-def whole_runs(pairs: int, steps: int) -> list[dict]:
+def whole_runs(pairs: int, steps: int, variants: tuple[str, ...] = VARIANTS) -> list[dict]:
     """``pairs`` rounds of every variant, each a fresh process, the order rotating."""
     results = []
     for i in range(pairs):
-        order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for variant in order:
             out = subprocess.run(
                 [sys.executable, __file__, "--child", variant, "--steps", str(steps)],
@@ -237,8 +239,13 @@ def whole_runs(pairs: int, steps: int) -> list[dict]:
     return results
 
 
+def measured(results: list[dict]) -> tuple[str, ...]:
+    """The variants ``results`` holds, in ``VARIANTS`` order."""
+    return tuple(v for v in VARIANTS if any(r["variant"] == v for r in results))
+
+
 def whole_run_table(results: list[dict], steps: int) -> list[str]:
-    by = {v: [r for r in results if r["variant"] == v] for v in VARIANTS}
+    by = {v: [r for r in results if r["variant"] == v] for v in measured(results)}
     lines = [
         f"Whole runs: test bed clean run, seed 0, {steps} steps, one torch thread, each run a "
         "fresh process, variants alternated (order rotating). Wall time from building the "
@@ -311,14 +318,15 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 def breakdown_table(results: list[dict], steps: int) -> list[str]:
     bare = statistics.median(r["wall_s"] for r in results if r["variant"] == "bare") / steps
+    variants = measured(results)
     lines = [
         "Where the agent's time goes (`Agent.costs()`, mean over the agent runs; training-thread "
         "wall time unless marked; % of the bare run's step):",
         "",
-        "| part | " + " | ".join(v for v in VARIANTS if v != "bare") + " |",
-        "|---|" + "---|" * (len(VARIANTS) - 1),
+        "| part | " + " | ".join(v for v in variants if v != "bare") + " |",
+        "|---|" + "---|" * (len(variants) - 1),
     ]
-    runs = {v: [r for r in results if r["variant"] == v] for v in VARIANTS if v != "bare"}
+    runs = {v: [r for r in results if r["variant"] == v] for v in variants if v != "bare"}
     parts = list(next(iter(runs.values()))[0]["costs"])
     totals = dict.fromkeys(runs, 0.0)
     for part in parts:
@@ -440,6 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=6, help="rounds of every variant")
     p.add_argument("--steps", type=int, default=400, help="steps per run")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS[1:],
+        default=list(VARIANTS[1:]),
+        help="the agent variants to run (the bare run always runs)",
+    )
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--skip-frontier", action="store_true", help="only the whole runs")
     p.add_argument("--out", type=Path, default=None)
@@ -449,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)  # as in every run (the provenance line reports it)
     lines = provenance()
-    results = whole_runs(args.pairs, args.steps)
+    variants = tuple(v for v in VARIANTS if v == "bare" or v in args.variants)
+    results = whole_runs(args.pairs, args.steps, variants)
     lines += whole_run_table(results, args.steps) + breakdown_table(results, args.steps)
     print("\n".join(lines), flush=True)
     if not args.skip_frontier:
