@@ -96,12 +96,15 @@ def child(variant: str, steps: int) -> dict:
             agent = Agent(run.model, run.optimizer, run.scheduler, config)
             construct_s = time.perf_counter() - built
         give_norm = variant == "agent, grad norm given"
+        agent_step_s = 0.0  # wall seconds inside ``agent.step`` calls
         for step in range(steps):
             start = time.perf_counter()
             loss = run.step()
-            steps_timed.append((start, time.perf_counter()))
+            end = time.perf_counter()
+            steps_timed.append((start, end))
             if agent is not None:
                 agent.step(step, loss=loss, grad_norm=run.last_grad_norm if give_norm else None)
+                agent_step_s += time.perf_counter() - end
         costs = {}
         if agent is not None:
             closing = time.perf_counter()
@@ -118,6 +121,8 @@ def child(variant: str, steps: int) -> dict:
         "costs": costs,
         "construct_s": construct_s,
         "close_s": close_s,
+        "train_step_s": sum(end - start for start, end in steps_timed),
+        "agent_step_s": agent_step_s,
         "contention": step_contention(steps_timed, jobs),
     }
 
@@ -316,6 +321,52 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return medians[int(tail * len(medians))], medians[int((1 - tail) * len(medians)) - 1]
 
 
+def wall_parts_table(results: list[dict], steps: int) -> list[str]:
+    """Every run's wall time taken apart, per step (medians over the runs of a variant), and
+    the training steps' own slow-down against the bare run of the same round: what the
+    agent's presence does to ``run.step()`` (forward, backward, optimizer step; the router
+    hooks run inside it), besides its own calls."""
+    by = {v: [r for r in results if r["variant"] == v] for v in measured(results)}
+    bare = {r["pair"]: r for r in by["bare"]}
+
+    def ms(values: list[float]) -> str:
+        return f"{1e3 * statistics.median(values) / steps:.2f} ms"
+
+    lines = [
+        "Each run's wall time taken apart (per step; medians over the runs): the training steps "
+        "(`run.step()`: forward, backward, optimizer step, with the router hooks inside), the "
+        "`agent.step` calls, building and closing the agent, and the rest (the loop, the test "
+        "bed's set-up). The last column compares each run's training steps with those of the "
+        "bare run of its round: a slow-down there is the agent's presence (contention, caches), "
+        "not its own calls.",
+        "",
+        "| variant | whole run | `run.step()` | `agent.step` | build + close | rest "
+        "| `run.step()` vs the bare run of the round (median [min..max]) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for variant, runs in by.items():
+        rest = [
+            r["wall_s"] - r["train_step_s"] - r["agent_step_s"] - r["construct_s"] - r["close_s"]
+            for r in runs
+        ]
+        slower = [
+            r["train_step_s"] / bare[r["pair"]]["train_step_s"] - 1
+            for r in runs
+            if r["pair"] in bare
+        ]
+        versus = (
+            "-"
+            if variant == "bare" or not slower
+            else f"{statistics.median(slower):+.2%} [{min(slower):+.1%}..{max(slower):+.1%}]"
+        )
+        lines.append(
+            f"| {variant} | {ms([r['wall_s'] for r in runs])} | "
+            f"{ms([r['train_step_s'] for r in runs])} | {ms([r['agent_step_s'] for r in runs])} | "
+            f"{ms([r['construct_s'] + r['close_s'] for r in runs])} | {ms(rest)} | {versus} |"
+        )
+    return lines + [""]
+
+
 def breakdown_table(results: list[dict], steps: int) -> list[str]:
     bare = statistics.median(r["wall_s"] for r in results if r["variant"] == "bare") / steps
     variants = measured(results)
@@ -466,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = provenance()
     variants = tuple(v for v in VARIANTS if v == "bare" or v in args.variants)
     results = whole_runs(args.pairs, args.steps, variants)
-    lines += whole_run_table(results, args.steps) + breakdown_table(results, args.steps)
+    lines += whole_run_table(results, args.steps) + wall_parts_table(results, args.steps)
+    lines += breakdown_table(results, args.steps)
+    if args.out:  # every run's numbers, to look again without running again
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n".join(lines), flush=True)
     if not args.skip_frontier:
         lines += frontier_lines()
