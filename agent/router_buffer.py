@@ -48,7 +48,7 @@ class _Storage:
     tokens_first: bool  # filled from routers' outputs (N x E) instead of products (E x N)
     # The per-forward views of ``tensor``, made once: unbinding 64 slots at every hand-over
     # cost the training thread ~0.3 ms.
-    slots: tuple[torch.Tensor, ...] = field(init=False)
+    slots: tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)
     tokens: int = field(init=False)  # N
 
     def __post_init__(self) -> None:

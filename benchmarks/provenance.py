@@ -6,13 +6,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import sys
 
 import torch
 
 
 def provenance() -> list[str]:
-    command = " ".join(["python", *sys.argv])
+    command = shlex.join(["python", *sys.argv])  # quoted: the command can be pasted back
     return [
         f"Command: `{command}`",
         f"Date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
