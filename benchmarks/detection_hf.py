@@ -4,7 +4,12 @@ over 2 KV heads, 4 experts top-2: GQA attention, RoPE, a real HF router), traine
 hidden-Markov language (not the test bed's Markov chains), with the default ``Agent`` inside
 the loop in detect-only mode.
 
-    python benchmarks/detection_hf.py [--seeds 7] [--steps 2000] [--rules FILES...] [--out FILE]
+    python benchmarks/detection_hf.py [--seeds 7] [--steps 2000] [--model mixtral]
+        [--rules FILES...] [--out FILE]
+
+``--model qwen2_moe`` trains a Qwen2-MoE of the same size instead (biases on Q, K and V, a
+shared expert beside the routed ones with its own one-output gate, which is not a router):
+a second architecture the rules were never tuned on.
 
 Scenarios per seed: ``clean``; ``data_shift`` (batches from another HMM from step 1000: a
 benign change); ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS rounded towards
@@ -38,6 +43,17 @@ FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
 ATTENTION = "mechwatch_emulated"
+# The architectures ``--model`` builds: the HF config of each beyond the shared sizes.
+MODELS: dict[str, dict[str, Any]] = {
+    "mixtral": {"head_dim": 16, "num_local_experts": 4},
+    "qwen2_moe": {
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
 
 
 class HiddenMarkovLanguage:
@@ -86,7 +102,7 @@ class EmulatedAttention:
         return out.transpose(1, 2).contiguous(), None  # (B, T, H, d_h)
 
 
-def build(seed: int, attention: EmulatedAttention) -> torch.nn.Module:
+def build(seed: int, attention: EmulatedAttention, model: str = "mixtral") -> torch.nn.Module:
     import transformers
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -94,16 +110,15 @@ def build(seed: int, attention: EmulatedAttention) -> torch.nn.Module:
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     config = transformers.AutoConfig.for_model(
-        "mixtral",
+        model,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=3,
-        num_attention_heads=4,
+        num_attention_heads=4,  # of 16 (hidden / heads)
         num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
         num_experts_per_tok=2,
+        **MODELS[model],
         max_position_embeddings=SEQ,
         router_aux_loss_coef=BALANCE,
         output_router_logits=True,
@@ -114,7 +129,12 @@ def build(seed: int, attention: EmulatedAttention) -> torch.nn.Module:
 
 
 def run(
-    scenario: str, seed: int, steps: int, run_dir: Path, fault_start: int = FAULT_START
+    scenario: str,
+    seed: int,
+    steps: int,
+    run_dir: Path,
+    fault_start: int = FAULT_START,
+    model_name: str = "mixtral",
 ) -> dict[str, Any]:
     """One whole run with the default agent (detect-only): its per-step losses and wall time."""
     from agent.agent import Agent
@@ -122,9 +142,10 @@ def run(
     from agent.testbed.supervised import default_agent_config
 
     attention = EmulatedAttention()
-    model = build(seed, attention)
-    routers = [p for n, p in model.named_parameters() if n.endswith("gate.weight")]
-    others = [p for n, p in model.named_parameters() if not n.endswith("gate.weight")]
+    model = build(seed, attention, model_name)
+    # The routers' weights (``...mlp.gate.weight``; not Qwen2-MoE's ``shared_expert_gate``).
+    routers = [p for n, p in model.named_parameters() if _is_router(n)]
+    others = [p for n, p in model.named_parameters() if not _is_router(n)]
     optimizer = torch.optim.AdamW(
         [{"params": others}, {"params": routers}], lr=LR, betas=(0.9, 0.95), weight_decay=0.0
     )
@@ -161,6 +182,10 @@ def run(
         agent.step(step, loss=lm_loss, grad_norm=grad_norm)
     agent.close()
     return {"losses": losses, "wall_s": time.perf_counter() - t0}
+
+
+def _is_router(name: str) -> bool:
+    return name.split(".")[-2:] == ["gate", "weight"]
 
 
 def evaluate(
@@ -239,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[7])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--model", choices=list(MODELS), default="mixtral")
     p.add_argument("--root", type=Path, default=None, help="keep the runs' event logs here")
     p.add_argument(
         "--rules", type=Path, nargs="+", default=None, help="replay with these rule files"
@@ -253,12 +279,15 @@ def main(argv: list[str] | None = None) -> int:
             results: dict[str, dict] = {}
             scenarios = ["clean", *(s for s in args.scenarios if s != "clean")]  # twin first
             for scenario in scenarios:
-                folder = root / f"hf_{scenario}_s{seed}"
+                model = "" if args.model == "mixtral" else f"{args.model}_"
+                folder = root / f"hf_{model}{scenario}_s{seed}"
                 saved = folder / "result.json"
                 if saved.exists():
                     results[scenario] = json.loads(saved.read_text())
                 else:
-                    results[scenario] = run(scenario, seed, args.steps, folder)
+                    results[scenario] = run(
+                        scenario, seed, args.steps, folder, model_name=args.model
+                    )
                     saved.write_text(json.dumps(results[scenario]))
                 if scenario not in args.scenarios:
                     continue
