@@ -12,9 +12,10 @@ shared expert beside the routed ones with its own one-output gate, which is not 
 a second architecture the rules were never tuned on.
 
 Scenarios per seed: ``clean``; ``data_shift`` (batches from another HMM from step 1000: a
-benign change); ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS rounded towards
--inf to 4 or 6 mantissa bits from step 500, through an attention function registered with
-transformers that runs the test bed's emulated arithmetic; nothing else changes);
+benign change); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
+rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
+through an attention function registered with transformers that runs the test bed's emulated
+arithmetic; nothing else changes);
 ``router_x30_nobal`` (the routers' LR x30 and the balancing loss off from step 500). The clean
 run of the seed is each fault's twin. Every run is printed: the first mechanism alert and its
 family, the incident's family at the first page and at the end, the loss detectors people use
@@ -37,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SCENARIOS = ("clean", "data_shift", "fa_floor_4", "fa_floor_6", "router_x30_nobal")
-FA_BITS = {"fa_floor_4": 4, "fa_floor_6": 6}
+SCENARIOS = ("clean", "data_shift", "fa_floor_3", "fa_floor_4", "fa_floor_6", "router_x30_nobal")
+FA_BITS = {"fa_floor_3": 3, "fa_floor_4": 4, "fa_floor_6": 6}
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
