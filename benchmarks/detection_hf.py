@@ -16,7 +16,8 @@ benign change); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention
 rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
 through an attention function registered with transformers that runs the test bed's emulated
 arithmetic; nothing else changes);
-``router_x30_nobal`` (the routers' LR x30 and the balancing loss off from step 500). The clean
+``router_x30_nobal`` (the routers' LR x30 and the balancing loss off from step 500);
+``combined`` (``fa_floor_4`` and ``router_x30_nobal`` together, both from step 500). The clean
 run of the seed is each fault's twin. Every run is printed: the first mechanism alert and its
 family, the incident's family at the first page and at the end, the loss detectors people use
 today on the same losses, the twin's degradation step and the divergence. One process at a
@@ -38,8 +39,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SCENARIOS = ("clean", "data_shift", "fa_floor_3", "fa_floor_4", "fa_floor_6", "router_x30_nobal")
-FA_BITS = {"fa_floor_3": 3, "fa_floor_4": 4, "fa_floor_6": 6}
+SCENARIOS = (
+    "clean",
+    "data_shift",
+    "fa_floor_3",
+    "fa_floor_4",
+    "fa_floor_6",
+    "router_x30_nobal",
+    "combined",
+)
+FA_BITS = {"fa_floor_3": 3, "fa_floor_4": 4, "fa_floor_6": 6, "combined": 4}
+ROUTER_FAULTS = frozenset({"router_x30_nobal", "combined"})
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
@@ -164,7 +174,7 @@ def run(
     for step in range(steps):
         if step == fault_start and scenario in FA_BITS:
             attention.fault = AttentionFault(sites=("dS",), bits=FA_BITS[scenario], mode="floor")
-        if step == fault_start and scenario == "router_x30_nobal":
+        if step == fault_start and scenario in ROUTER_FAULTS:
             optimizer.param_groups[1]["lr_mult"] = 30.0
             model.config.router_aux_loss_coef = 0.0
             model.router_aux_loss_coef = 0.0
