@@ -33,6 +33,15 @@ drift well before the collapse)
   step after step moves the loss gradually and after the mechanism, never in one jump before
   it; a jump comes from outside (a data shift, a bad batch, a schedule change), and the
   collapse that follows is the model relearning, or
+- when the other mechanism family is already a cause of the incident and this one began
+  (its onset) at least ``downstream_lag`` steps (default 500) after the other family's first
+  alert: a fault that has been writing into the weights that long moves the rest of the
+  model, and the other mechanism's collapse can follow before the loss shows any damage (an
+  FP8-strength attention fault on HF Mixtral and Qwen2-MoE: the routers collapsed 645-1,145
+  steps after the FA alert, with no loss alert yet or 15 steps later). Two faults that begin
+  together are alerted closer than that (the test bed's ``combined``: the FA onset 175-300
+  steps after the router alert); a second, independent fault that begins that much later is
+  counted as a consequence, and its evidence stays in the incident, or
 - at least ``consequence_lag`` steps (default 100) after the loss damage began, whatever
   else the incident holds: damage needs time to feed back into a mechanism, and a collapse
   that starts with the loss change is as likely its cause as its effect (a smaller batch
@@ -72,6 +81,9 @@ MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 LOSS_METRICS = frozenset({"loss", "loss_nonfinite"})
 CONTROL_METRICS = frozenset({"control_update_entropy"})
 CONSEQUENCE_LAG = 100  # steps after the loss damage began from which a collapse is its effect
+# Steps after the other mechanism's first alert from which a collapse that begins is its
+# downstream effect (see the module docstring).
+DOWNSTREAM_LAG = 500
 _SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
 
@@ -131,7 +143,11 @@ def _systemic_onset(
 
 
 def _is_consequence(
-    e: Evidence, evidence: list[Evidence], lag: int, causes: set[str] = frozenset()
+    e: Evidence,
+    evidence: list[Evidence],
+    lag: int,
+    causes: set[str] = frozenset(),
+    downstream_lag: int | None = DOWNSTREAM_LAG,
 ) -> bool:
     """Mechanism evidence explained by a change of the whole run or by the damage of the other
     mechanism, already a cause of the incident (``causes``; see the module docstring)."""
@@ -144,8 +160,18 @@ def _is_consequence(
     diverged = _diverged(evidence)
     onset = e.onset_step if e.onset_step is not None else began
     other_is_cause = bool(causes & (set(MECHANISM_FAMILIES) - {e.family}))
+    other_alerted = min(
+        (x.fired_step for x in evidence if x.family in causes and x.family != e.family),
+        default=None,
+    )
     return (
         (controls is not None and began >= controls)
+        or (
+            downstream_lag is not None
+            and other_is_cause
+            and other_alerted is not None
+            and onset >= other_alerted + downstream_lag
+        )
         or (jump is not None and onset > jump)
         or (loss is not None and began >= loss + lag)
         or (loss is not None and other_is_cause and onset >= loss)
@@ -180,10 +206,12 @@ class Attributor:
         monitored_families: set[str] | None = None,
         history: int = 50,
         consequence_lag: int = CONSEQUENCE_LAG,
+        downstream_lag: int | None = DOWNSTREAM_LAG,
         symptom_wait: int = 0,
     ) -> None:
         self.context = context or RunContext()
         self.consequence_lag = consequence_lag
+        self.downstream_lag = downstream_lag  # None: never by time alone
         self.symptom_wait = symptom_wait
         self.held: list[Evidence] = []  # symptom evidence held back (the symptom wait)
         self.held_since: int | None = None  # the first firing step of the held evidence
@@ -298,7 +326,9 @@ class Attributor:
             if (old is not None and old.consequence) or (
                 old is None
                 and e.family not in causes
-                and _is_consequence(e, everything, self.consequence_lag, causes)
+                and _is_consequence(
+                    e, everything, self.consequence_lag, causes, self.downstream_lag
+                )
             ):
                 e = dataclasses.replace(e, consequence=True)
             current[key] = e

@@ -219,6 +219,35 @@ def test_two_mechanisms_that_began_before_any_loss_damage_are_combined():
     assert [e.kind for e in events] == ["escalated"] and att.open.family == "combined"
 
 
+def test_the_other_mechanism_long_after_the_first_alert_is_downstream_without_loss_damage():
+    """An FP8-strength attention fault (HF Mixtral seed 14, benchmarks/results/detection_hf.md):
+    the QK alert at 580, the routers collapse from 1,225 with no loss alert at all: the
+    fault's downstream effect (``downstream_lag``), not a second fault."""
+    fa = _alert("qk", "fa_precision", onset=525, fired=580)
+    router = _alert("router", "router_instability", onset=1225, layer="g0", fired=1225)
+    att = Attributor(RunContext(run_name="r"))
+    att.update(580, [fa])
+    assert att.update(1225, [fa, router])[0].kind == "updated"
+    assert att.open.family == "fa_precision"
+    assert {e.rule: e.consequence for e in att.open.evidence}["router"] is True
+    assert att.causes("router") is False  # its remedy does not run
+    off = Attributor(RunContext(run_name="r"), downstream_lag=None)
+    off.update(580, [fa])
+    off.update(1225, [fa, router])
+    assert off.open.family == "combined"
+
+
+def test_a_second_mechanism_that_begins_within_the_downstream_lag_is_combined():
+    """The test bed's ``combined`` (both faults at 500): the router alerted at 525, the QK
+    collapse began 300 steps later (tuning seed 1): two causes."""
+    router = _alert("router", "router_instability", onset=525, layer="g0", fired=525)
+    fa = _alert("qk", "fa_precision", onset=825, fired=875)
+    att = Attributor(RunContext(run_name="r"))
+    att.update(525, [router])
+    assert att.update(875, [router, fa])[0].kind == "escalated"
+    assert att.open.family == "combined"
+
+
 def _controls(onset: int) -> Evidence:
     return dataclasses.replace(
         _loss("block_update_collapse", onset),
