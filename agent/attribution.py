@@ -159,16 +159,16 @@ def _is_consequence(
     jump = _systemic_onset(evidence, LOSS_METRICS, abrupt_only=True)
     diverged = _diverged(evidence)
     onset = e.onset_step if e.onset_step is not None else began
-    other_is_cause = bool(causes & (set(MECHANISM_FAMILIES) - {e.family}))
-    other_alerted = min(
-        (x.fired_step for x in evidence if x.family in causes and x.family != e.family),
+    other = causes & (set(MECHANISM_FAMILIES) - {e.family})  # the other mechanism, a cause
+    other_is_cause = bool(other)
+    other_alerted = min(  # its first alert (of its causal evidence: not a loss alert)
+        (x.fired_step for x in evidence if x.family in other and not x.consequence),
         default=None,
     )
     return (
         (controls is not None and began >= controls)
         or (
             downstream_lag is not None
-            and other_is_cause
             and other_alerted is not None
             and onset >= other_alerted + downstream_lag
         )

@@ -286,12 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = args.root or Path(tmp)
+        prefix = "hf_" if args.model == "mixtral" else f"hf_{args.model}_"  # run folders
         for seed in args.seeds:
             results: dict[str, dict] = {}
             scenarios = ["clean", *(s for s in args.scenarios if s != "clean")]  # twin first
             for scenario in scenarios:
-                model = "" if args.model == "mixtral" else f"{args.model}_"
-                folder = root / f"hf_{model}{scenario}_s{seed}"
+                folder = root / f"{prefix}{scenario}_s{seed}"
                 saved = folder / "result.json"
                 if saved.exists():
                     results[scenario] = json.loads(saved.read_text())

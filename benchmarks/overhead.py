@@ -244,13 +244,14 @@ def whole_runs(pairs: int, steps: int, variants: tuple[str, ...] = VARIANTS) -> 
     return results
 
 
-def measured(results: list[dict]) -> tuple[str, ...]:
-    """The variants ``results`` holds, in ``VARIANTS`` order."""
-    return tuple(v for v in VARIANTS if any(r["variant"] == v for r in results))
+def by_variant(results: list[dict]) -> dict[str, list[dict]]:
+    """The runs of each variant ``results`` holds, in ``VARIANTS`` order."""
+    by = {v: [r for r in results if r["variant"] == v] for v in VARIANTS}
+    return {v: runs for v, runs in by.items() if runs}
 
 
 def whole_run_table(results: list[dict], steps: int) -> list[str]:
-    by = {v: [r for r in results if r["variant"] == v] for v in measured(results)}
+    by = by_variant(results)
     lines = [
         f"Whole runs: test bed clean run, seed 0, {steps} steps, one torch thread, each run a "
         "fresh process, variants alternated (order rotating). Wall time from building the "
@@ -326,7 +327,7 @@ def wall_parts_table(results: list[dict], steps: int) -> list[str]:
     the training steps' own slow-down against the bare run of the same round: what the
     agent's presence does to ``run.step()`` (forward, backward, optimizer step; the router
     hooks run inside it), besides its own calls."""
-    by = {v: [r for r in results if r["variant"] == v] for v in measured(results)}
+    by = by_variant(results)
     bare = {r["pair"]: r for r in by["bare"]}
 
     def ms(values: list[float]) -> str:
@@ -369,15 +370,14 @@ def wall_parts_table(results: list[dict], steps: int) -> list[str]:
 
 def breakdown_table(results: list[dict], steps: int) -> list[str]:
     bare = statistics.median(r["wall_s"] for r in results if r["variant"] == "bare") / steps
-    variants = measured(results)
+    runs = {v: rs for v, rs in by_variant(results).items() if v != "bare"}
     lines = [
         "Where the agent's time goes (`Agent.costs()`, mean over the agent runs; training-thread "
         "wall time unless marked; % of the bare run's step):",
         "",
-        "| part | " + " | ".join(v for v in variants if v != "bare") + " |",
-        "|---|" + "---|" * (len(variants) - 1),
+        "| part | " + " | ".join(runs) + " |",
+        "|---|" + "---|" * len(runs),
     ]
-    runs = {v: [r for r in results if r["variant"] == v] for v in variants if v != "bare"}
     parts = list(next(iter(runs.values()))[0]["costs"])
     totals = dict.fromkeys(runs, 0.0)
     for part in parts:
