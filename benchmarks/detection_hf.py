@@ -17,7 +17,9 @@ rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4
 through an attention function registered with transformers that runs the test bed's emulated
 arithmetic; nothing else changes);
 ``router_x30_nobal`` (the routers' LR x30 and the balancing loss off from step 500);
-``combined`` (``fa_floor_4`` and ``router_x30_nobal`` together, both from step 500). The clean
+``combined`` (``fa_floor_4`` and ``router_x30_nobal`` together, both from step 500);
+``combined_6`` (the same with the weaker ``fa_floor_6``: an attention fault whose signature
+shows late, the case the downstream rule of ``agent/attribution.py`` can write off). The clean
 run of the seed is each fault's twin. Every run is printed: the first mechanism alert and its
 family, the incident's family at the first page and at the end, the loss detectors people use
 today on the same losses, the twin's degradation step and the divergence. One process at a
@@ -47,9 +49,10 @@ SCENARIOS = (
     "fa_floor_6",
     "router_x30_nobal",
     "combined",
+    "combined_6",
 )
-FA_BITS = {"fa_floor_3": 3, "fa_floor_4": 4, "fa_floor_6": 6, "combined": 4}
-ROUTER_FAULTS = frozenset({"router_x30_nobal", "combined"})
+FA_BITS = {"fa_floor_3": 3, "fa_floor_4": 4, "fa_floor_6": 6, "combined": 4, "combined_6": 6}
+ROUTER_FAULTS = frozenset({"router_x30_nobal", "combined", "combined_6"})
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01

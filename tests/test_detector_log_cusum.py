@@ -116,3 +116,87 @@ def test_a_state_saved_before_min_updates_loads_as_an_excursion_of_no_updates():
     old.load_state_dict(state)
     assert old.state_dict()["state"]["low_updates"] == 0
     assert old.update(3, 0.3).triggered  # 0.69 + 1.10 - 2 x 0.1 beyond the allowance
+
+
+# ----------------------------------------------------------------- noise_k / noise_h
+
+
+def scaled(**kw: float) -> LogCUSUMDetector:
+    """The shipped QK rule's detector, with k and h raised to the series' noise."""
+    return LogCUSUMDetector(k=0.06, h=0.4, min_updates=3, noise_k=0.5, noise_h=3.0, **kw)
+
+
+def test_noise_scaling_keeps_a_noisy_series_quiet_that_the_fixed_allowance_fires_on():
+    # 12% relative noise per value, as the head-mean H(Delta_2) of a small HF model (9-16%
+    # per evaluation): the fixed 6% allowance and 0.4 interval fire again and again.
+    fixed_hits, scaled_hits, sigmas = 0, 0, []
+    for seed in range(6):
+        values = noise_series(2000, level=1.0, noise=0.12, seed=seed)
+        fixed_hits += len(fired(LogCUSUMDetector(k=0.06, h=0.4, min_updates=3), values))
+        d = scaled()
+        scaled_hits += len(fired(d, values))
+        sigmas.append(d.noise)
+    assert fixed_hits >= 8 and scaled_hits <= 1
+    # The log-change of a level with N(0, 0.12) noise has sigma ~ 0.12 x sqrt(2) = 0.170.
+    assert abs(sum(sigmas) / len(sigmas) - 0.12 * math.sqrt(2)) < 0.017
+
+
+def test_on_a_quiet_series_noise_scaling_changes_nothing_once_the_noise_is_known():
+    # 1% noise (the test bed's H(Delta_2) moves 1-4% per evaluation): 0.5 sigma and 3 sigma
+    # stay under the floors k = 0.06 and h = 0.4, so a collapse fires on the same updates.
+    quiet = noise_series(40, level=2.0, noise=0.02, seed=1)
+    collapse = [quiet[-1] * 0.8**i for i in range(1, 12)]
+    values = quiet + collapse
+    plain = fired(LogCUSUMDetector(k=0.06, h=0.4, min_updates=3), values)
+    d = scaled()
+    assert fired(d, values) == plain and plain[0] == 42  # 3 updates of -0.223 + 0.06
+    assert d.noise is not None and 0.5 * d.noise < 0.06 and 3.0 * d.noise < 0.4
+
+
+def test_a_collapse_on_a_noisy_series_still_fires_and_its_changes_are_not_noise():
+    values = noise_series(60, level=1.0, noise=0.12, seed=0)
+    d = scaled()
+    assert fired(d, values) == []
+    before = d.noise
+    assert before is not None
+    # -40% per evaluation (ln 0.6 = -0.51): far beyond 0.5 sigma; fires on the 3rd update.
+    collapse = [values[-1] * 0.6**i for i in range(1, 8)]
+    hits = [i for i, v in enumerate(collapse, start=60) if d.update(i, v).triggered]
+    # (the onset: the noise's last value, already a fall beyond the allowance)
+    assert hits[0] == 62 and d.onset_step == 59
+    assert d.noise == before  # a departure that fired is not the series' noise
+
+
+def test_no_trigger_before_the_noise_is_known():
+    # Half the window (8 changes, 9 values) before it can fire: a collapse from the 2nd value
+    # on is held back; the plain detector takes it at its 3rd update.
+    collapse = [2.0 * 0.5**i for i in range(12)]
+    assert fired(LogCUSUMDetector(k=0.06, h=0.4, min_updates=3), collapse)[0] == 3
+    d = scaled()
+    assert fired(d, collapse) == [] and not d.ready and d.noise is None
+
+
+def test_a_noise_scaled_state_round_trips_and_an_older_state_loads_without_noise():
+    values = noise_series(50, level=1.0, noise=0.12, seed=4) + [0.5, 0.3, 0.2, 0.1]
+    d = scaled()
+    for i, v in enumerate(values[:30]):
+        d.update(i, v)
+    copy = scaled()
+    copy.load_state_dict(d.state_dict())
+    rest = list(enumerate(values[30:], start=30))
+    assert [d.update(i, v).triggered for i, v in rest] == [
+        copy.update(i, v).triggered for i, v in rest
+    ]
+    assert copy.noise == d.noise and copy.state_dict() == d.state_dict()
+    # A state saved before noise scaling existed (no such keys) loads as "no noise known".
+    plain = LogCUSUMDetector(k=0.06, h=0.4, min_updates=3)
+    for i, v in enumerate(values[:30]):
+        plain.update(i, v)
+    state = plain.state_dict()
+    for key in ("noise", "changes", "pending", "fired"):
+        del state["state"][key]
+    for key in ("noise_k", "noise_h", "noise_window"):
+        del state["params"][key]
+    old = LogCUSUMDetector(k=0.06, h=0.4, min_updates=3)
+    old.load_state_dict(state)
+    assert old.noise is None and old.state_dict() == plain.state_dict()

@@ -68,8 +68,24 @@ def _log_cusum(p: Any) -> str:
     return (
         f"fires when the value {' or '.join(parts)} (a CUSUM on log-changes: k = {_num(p.k)}, "
         f"h = {_num(p.h)}){_min_updates(p.min_updates)}; a slower drift never adds up, a "
-        f"one-time {forgiven} is forgiven, and there is no baseline to learn, so it can fire "
-        f"from its {first}"
+        f"one-time {forgiven} is forgiven, and there is no baseline to learn, so "
+        + (f"it can fire from its {first}" if not p.scaled else _noise(p))
+    )
+
+
+def _noise(p: Any) -> str:
+    """The end of a noise-scaled log_cusum's sentence (``noise_k`` / ``noise_h``)."""
+    raised = [
+        f"{name} to {_num(times)} x sigma"
+        for name, times in (("k", p.noise_k), ("h", p.noise_h))
+        if times is not None
+    ]
+    raised[0] = raised[0].replace(" to ", " is raised to ", 1)
+    return (
+        f"nothing the series did before can disarm it; {' and '.join(raised)} where the "
+        f"series is noisier (sigma: the robust spread of its last {p.noise_window} log-changes "
+        f"that were noise), and it cannot fire before {max(2, p.noise_window // 2)} of them "
+        "are known"
     )
 
 
