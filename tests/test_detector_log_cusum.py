@@ -167,13 +167,23 @@ def test_a_collapse_on_a_noisy_series_still_fires_and_its_changes_are_not_noise(
     assert d.noise == before  # a departure that fired is not the series' noise
 
 
-def test_no_trigger_before_the_noise_is_known():
-    # Half the window (8 changes, 9 values) before it can fire: a collapse from the 2nd value
-    # on is held back; the plain detector takes it at its 3rd update.
+def test_no_trigger_before_the_noise_is_known_and_a_collapse_from_the_start_fires_then():
+    # Half the window (8 changes, 9 values) before it can fire. A collapse from the first value
+    # on (-50% per value) is taken by the plain detector at its 3rd update; its changes are the
+    # first noise here, all equal: sigma 0, so k and h stay at their floors and it fires on the
+    # first update after the 8th change.
     collapse = [2.0 * 0.5**i for i in range(12)]
     assert fired(LogCUSUMDetector(k=0.06, h=0.4, min_updates=3), collapse)[0] == 3
     d = scaled()
-    assert fired(d, collapse) == [] and not d.ready and d.noise is None
+    assert fired(d, collapse[:9]) == [] and d.noise is not None and d.noise < 1e-12
+    assert [i for i, v in enumerate(collapse[9:], start=9) if d.update(i, v).triggered] == [
+        9,
+        10,
+        11,
+    ]
+    quiet = scaled()
+    fired(quiet, [1.0] * 8)  # 7 changes: not yet
+    assert not quiet.ready and quiet.noise is None
 
 
 def test_a_noise_scaled_state_round_trips_and_an_older_state_loads_without_noise():

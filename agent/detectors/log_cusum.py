@@ -39,12 +39,13 @@ textbook CUSUM on standardized values (Montgomery: k = 0.5 sigma, h = 4 or 5 sig
     k_eff = max(k, noise_k x sigma)        h_eff = max(h, noise_h x sigma)
 
 where sigma is the robust spread (1.4826 x the median absolute deviation) of the last
-``noise_window`` log-changes that were noise: every change except those of a departure that
-fired (a departure's changes are held until its sum is back to 0; if it never fired they join
-the window). ``k`` and ``h`` stay the floor, so a quiet series is judged exactly as without
-them. While fewer than half of ``noise_window`` noise changes are known the sums accumulate
-with ``k`` and ``h`` but cannot trigger (``ready`` is False): a noisy series' first values
-cannot fire it.
+``noise_window`` log-changes that were noise. The first half window of changes are noise
+whatever they are: until then the sums accumulate with ``k`` and ``h`` but cannot trigger
+(``ready`` is False), so a noisy series' first values cannot fire it, and a collapse already
+under way from the first value (a steady fall has a small spread) fires as soon as they are
+known. After that a departure's changes are held until its sum is back to 0, and join the
+noise only if it did not fire. ``k`` and ``h`` stay the floor, so a quiet series is judged
+exactly as without them.
 
 >>> from agent.detectors.log_cusum import LogCUSUMDetector
 >>> d = LogCUSUMDetector(k=0.1, h=1.0, direction="falling")
@@ -183,10 +184,16 @@ class LogCUSUMDetector(TwoSidedSums):
         return max(floor, times * self._noise)
 
     def _learn_noise(self, change: float) -> None:
-        """File ``change``: held while a watched departure is under way, noise once that
-        departure ended without firing; no trigger before the noise is known."""
+        """File ``change``: the first ones are noise whatever they are (no trigger until enough
+        are known); after that, held while a watched departure is under way and noise once
+        that departure ended without firing."""
         if self._noise is None:
             self._set_verdict(None, None)
+            self._changes.append(change)
+            self._pending.clear()
+            self._fired = False
+            self._measure_noise()
+            return
         self._fired = self._fired or self._triggered
         self._pending.append(change)
         watched = self.params.direction
@@ -197,12 +204,16 @@ class LogCUSUMDetector(TwoSidedSums):
             return
         if not self._fired:
             self._changes.extend(self._pending)
-            if len(self._changes) >= max(2, self.params.noise_window // 2):
-                center = statistics.median(self._changes)
-                spread = statistics.median(abs(x - center) for x in self._changes)
-                self._noise = MAD_TO_SIGMA * spread
+            self._measure_noise()
         self._pending.clear()
         self._fired = False
+
+    def _measure_noise(self) -> None:
+        """sigma of the noise changes, once there are enough of them."""
+        if len(self._changes) >= max(2, self.params.noise_window // 2):
+            center = statistics.median(self._changes)
+            spread = statistics.median(abs(x - center) for x in self._changes)
+            self._noise = MAD_TO_SIGMA * spread
 
     def _get_state(self) -> dict[str, Any]:
         state = super()._get_state()
