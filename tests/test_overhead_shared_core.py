@@ -3,7 +3,6 @@ cores (swapped every round), and the table's ratios are those of the rounds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,21 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-
-@pytest.fixture(scope="module")
-def shared_core():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        path = ROOT / "benchmarks/overhead_shared_core.py"
-        spec = importlib.util.spec_from_file_location("overhead_shared_core", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+import overhead_shared_core as shared_core  # noqa: E402
 
 
 def _row(i: int, bare: float, agent: float, bare_train: float, agent_train: float) -> dict:
@@ -42,7 +29,7 @@ def _row(i: int, bare: float, agent: float, bare_train: float, agent_train: floa
     }
 
 
-def test_the_table_gives_every_round_and_the_median_ratios(shared_core) -> None:
+def test_the_table_gives_every_round_and_the_median_ratios() -> None:
     rows = [_row(0, 100.0, 103.0, 90.0, 91.8), _row(1, 100.0, 101.0, 90.0, 90.9)]
     rows.append(_row(2, 50.0, 51.0, 40.0, 40.0))
     text = "\n".join(shared_core.table(rows, 1000, "agent"))
@@ -56,7 +43,7 @@ def test_the_table_gives_every_round_and_the_median_ratios(shared_core) -> None:
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs CPU affinity and 2 cores",
 )
-def test_two_short_rounds_run_pinned_and_swap_cores(shared_core, tmp_path) -> None:
+def test_two_short_rounds_run_pinned_and_swap_cores(tmp_path) -> None:
     out = tmp_path / "shared.md"
     assert shared_core.main(["--rounds", "2", "--steps", "3", "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())
