@@ -32,6 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from provenance import provenance
 
 OVERHEAD = Path(__file__).resolve().parent / "overhead.py"
@@ -113,6 +114,20 @@ def table(results: list[dict], steps: int, variant: str) -> list[str]:
         f"[{_pct(min(wall))}..{_pct(max(wall))}], training steps "
         f"{_pct(statistics.median(train))} [{_pct(min(train))}..{_pct(max(train))}].",
     ]
+    by_core = {
+        core: [w for r, w in zip(results, wall, strict=True) if r["agent_core"] == core]
+        for core in sorted({r["agent_core"] for r in results})
+    }
+    if len(by_core) == 2 and all(by_core.values()):  # a core slower than the other cancels
+        medians = [statistics.median(ws) for ws in by_core.values()]
+        lines.append(
+            "Whole run by the agent's core: "
+            + "; ".join(
+                f"core {core}: {', '.join(_pct(w) for w in ws)}" for core, ws in by_core.items()
+            )
+            + f". Mean of the two cores' medians (a difference between the cores cancels): "
+            f"{_pct(sum(medians) / 2)}."
+        )
     return lines
 
 
@@ -122,7 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--variant", choices=VARIANTS, default="agent")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--from-json", type=Path, default=None, help="a run's saved rounds: only the table"
+    )
     args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as in every child run (the provenance line reports it)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        print("\n".join(table(results, args.steps, args.variant)))
+        return 0
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 2:
         print("needs Linux CPU affinity and at least 2 cores: skipped")

@@ -37,6 +37,9 @@ def test_the_table_gives_every_round_and_the_median_ratios() -> None:
     assert "| 1 | 100.00 (1) | 101.00 (0) | +1.00% | +1.00% |" in text
     # whole run: +3%, +1%, +2% -> median +2%; training steps: +2%, +1%, 0% -> +1%
     assert "whole run +2.00% [+1.00%..+3.00%], training steps +1.00% [+0.00%..+2.00%]" in text
+    # the agent on core 1 in rounds 0 and 2 (+3%, +2%: median 2.5%), on core 0 in round 1 (+1%)
+    assert "core 0: +1.00%; core 1: +3.00%, +2.00%." in text and "medians (a" in text
+    assert text.endswith("cancels): +1.75%.")
 
 
 @pytest.mark.skipif(
