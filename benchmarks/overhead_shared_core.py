@@ -36,7 +36,7 @@ import torch
 from provenance import provenance
 
 OVERHEAD = Path(__file__).resolve().parent / "overhead.py"
-VARIANTS = ("agent", "agent, grad norm given")
+VARIANTS = ("agent", "agent, grad norm given", "agent, qk.budget 0.01")
 
 
 def _pinned(core: int, variant: str, steps: int) -> subprocess.Popen:
