@@ -67,6 +67,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from agent.detectors.base import DetectorParams, StateFields
+from agent.detectors.baseline import MAD_TO_STD
 from agent.detectors.cusum import EXCURSION_UPDATES, MIN_UPDATES_FIELD, TwoSidedSums
 
 
@@ -106,9 +107,6 @@ class LogCUSUMParams(DetectorParams):
     def scaled(self) -> bool:
         """Whether k or h follows the series' noise."""
         return self.noise_k is not None or self.noise_h is not None
-
-
-MAD_TO_SIGMA = 1.4826  # the robust spread of a normal sample: sigma = 1.4826 x MAD
 
 
 class LogCUSUMDetector(TwoSidedSums):
@@ -213,7 +211,7 @@ class LogCUSUMDetector(TwoSidedSums):
         if len(self._changes) >= max(2, self.params.noise_window // 2):
             center = statistics.median(self._changes)
             spread = statistics.median(abs(x - center) for x in self._changes)
-            self._noise = MAD_TO_SIGMA * spread
+            self._noise = MAD_TO_STD * spread
 
     def _get_state(self) -> dict[str, Any]:
         state = super()._get_state()

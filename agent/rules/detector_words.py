@@ -80,9 +80,8 @@ def _noise(p: Any) -> str:
         for name, times in (("k", p.noise_k), ("h", p.noise_h))
         if times is not None
     ]
-    raised[0] = raised[0].replace(" to ", " is raised to ", 1)
     return (
-        f"nothing the series did before can disarm it; {' and '.join(raised)} where the "
+        f"nothing the series did before can disarm it; it raises {' and '.join(raised)} where the "
         f"series is noisier (sigma: the robust spread of its last {p.noise_window} log-changes "
         f"that were noise), and it cannot fire before {max(2, p.noise_window // 2)} of them "
         "are known"
