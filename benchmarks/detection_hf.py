@@ -16,7 +16,8 @@ benign change); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention
 rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
 through an attention function registered with transformers that runs the test bed's emulated
 arithmetic; nothing else changes);
-``router_x30_nobal`` (the routers' LR x30 and the balancing loss off from step 500);
+``router_x30_nobal`` and ``router_x10_nobal`` (the routers' LR x30 or x10 and the balancing
+loss off from step 500);
 ``combined`` (``fa_floor_4`` and ``router_x30_nobal`` together, both from step 500);
 ``combined_6`` (the same with the weaker ``fa_floor_6``: an attention fault whose signature
 shows late, the case the downstream rule of ``agent/attribution.py`` can write off). The clean
@@ -48,11 +49,18 @@ SCENARIOS = (
     "fa_floor_4",
     "fa_floor_6",
     "router_x30_nobal",
+    "router_x10_nobal",
     "combined",
     "combined_6",
 )
 FA_BITS = {"fa_floor_3": 3, "fa_floor_4": 4, "fa_floor_6": 6, "combined": 4, "combined_6": 6}
-ROUTER_FAULTS = frozenset({"router_x30_nobal", "combined", "combined_6"})
+# The router faults' LR multiplier (the balancing loss is switched off with each).
+ROUTER_FAULTS = {
+    "router_x30_nobal": 30.0,
+    "router_x10_nobal": 10.0,
+    "combined": 30.0,
+    "combined_6": 30.0,
+}
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
@@ -178,7 +186,7 @@ def run(
         if step == fault_start and scenario in FA_BITS:
             attention.fault = AttentionFault(sites=("dS",), bits=FA_BITS[scenario], mode="floor")
         if step == fault_start and scenario in ROUTER_FAULTS:
-            optimizer.param_groups[1]["lr_mult"] = 30.0
+            optimizer.param_groups[1]["lr_mult"] = ROUTER_FAULTS[scenario]
             model.config.router_aux_loss_coef = 0.0
             model.router_aux_loss_coef = 0.0
         ids = (shifted if scenario == "data_shift" and step >= SHIFT_STEP else data).batch()

@@ -486,3 +486,53 @@ def test_requires_forgets_the_second_signal_of_an_abandoned_future():
     assert _feed(store, engine, 3, {("x", "a", "0"): 3.0, ("push", "a", None): 0.0}) == []
     pushed = _feed(store, engine, 4, {("x", "a", "0"): 3.0, ("push", "a", None): 5.0})
     assert [t.kind for t in pushed] == ["pending", "firing"]
+
+
+REQUIRES_ACROSS_LAYERS = REQUIRES.replace(
+    "          within: 2\n",
+    "          within: 2\n          reduce: {op: median, over: [layer]}\n",
+)
+
+
+def test_requires_with_its_own_reduce_holds_for_every_alert_only_when_most_are_pushed():
+    """``requires.reduce`` over the layers: one second signal, the median push of layers a, b
+    and c. One layer pushed alone (step 1) does not count for any alert, even its own; two of
+    three pushed (step 3) count for every layer's alert, also the one not pushed."""
+    engine, store = engine_for(
+        rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES_ACROSS_LAYERS
+    )
+    pushed = {1: {"a"}, 3: {"a", "b"}}
+    fired = []
+    for step in range(5):
+        values = {("x", layer, "0"): 3.0 if step >= 1 else 0.0 for layer in "abc"}
+        values |= {("push", layer, None): 0.0 for layer in "abc"}
+        values |= {("push", layer, None): 5.0 for layer in pushed.get(step, ())}
+        transitions = _feed(store, engine, step, values)
+        fired += [
+            (t.step, dict(t.alert.labels)["layer"]) for t in transitions if t.kind == "firing"
+        ]
+    assert fired == [(3, "a"), (3, "b"), (3, "c")]
+
+
+def test_requires_reduce_is_part_of_the_saved_state_fingerprint_only_when_set():
+    """Adding ``requires.reduce`` (an optional key) keeps the states saved before it existed;
+    setting it starts the second signal over."""
+    rule = rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES
+    engine, store = engine_for(rule)
+    _feed(store, engine, 0, {("x", "a", "0"): 0.0, ("push", "a", None): 5.0})
+    state = json.loads(json.dumps(engine.state_dict(), allow_nan=False))
+    # The fingerprint of a state saved before the key existed: the second signal's metric,
+    # detector and window, nothing else.
+    saved = json.loads(state["rules"]["hot"]["fingerprint"])["requires"]
+    assert sorted(saved) == ["detector", "metric", "within"]
+    same, same_store = engine_for(rule)
+    same.load_state_dict(state)
+    assert [t.kind for t in _feed(same_store, same, 1, {("x", "a", "0"): 3.0})] == [
+        "pending",
+        "firing",
+    ]
+    across, across_store = engine_for(
+        rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES_ACROSS_LAYERS
+    )
+    across.load_state_dict(state)
+    assert _feed(across_store, across, 1, {("x", "a", "0"): 3.0}) == []

@@ -124,9 +124,10 @@ def test_shipped_rule_and_unknown_names(capsys):
     out = " ".join(_rows(out))
     assert "log_cusum: fires when the value keeps falling faster than 10% per evaluation" in out
     assert (
-        "and only while router_update_rel_norm (the same series selection, per the "
-        "same labels) triggered baseline within the last 50 steps: fires when the value rises "
-        "by more than 100% of the baseline" in out
+        "and only while router_update_rel_norm (the same series selection, the median over "
+        "router at each step; the labels it keeps must agree with the alert's) triggered "
+        "baseline within the last 50 steps: fires when the value rises by more than 100% of "
+        "the baseline" in out
     )
     assert "Runs again every 250 steps while the rule keeps firing (the rule's cooldown)" in out
     assert "at most 2 runs per 5000 steps, then pages and halts the run (escalate)" in out

@@ -51,6 +51,7 @@ from agent.rules.reduce import reduce_values
 from agent.rules.ruleset import Rule, RuleSet
 
 if TYPE_CHECKING:
+    from agent.rules.schema import ReduceSpec, RequiresSpec
     from agent.store import SeriesStore
 
 __all__ = ["Alert", "AlertTransition", "RuleEngine", "RuleHealth", "RuleProblem"]
@@ -156,7 +157,7 @@ class RuleEngine:
                     runtime.rule.metric, runtime.accepts, runtime.cursors
                 )
                 runtime.cursors.update(advanced)
-                batches = _reduce_by_group(runtime.rule, new)
+                batches = _reduce_by_group(runtime.rule.reduce, new)
             except Exception as e:  # bad data must not stop the other rules
                 errors.append(_describe_error(e))
                 batches = {}
@@ -208,7 +209,8 @@ class RuleEngine:
                 requires.metric, runtime.accepts, runtime.condition_cursors
             )
             runtime.condition_cursors.update(advanced)
-            batches = _reduce_by_group(runtime.rule, new)
+            reduce = requires.reduce if requires.reduce is not None else runtime.rule.reduce
+            batches = _reduce_by_group(reduce, new)
         except Exception as e:
             errors.append(_describe_error(e))
             return
@@ -392,10 +394,9 @@ class RuleEngine:
 
 
 def _reduce_by_group(
-    rule: Rule, new: dict[Labels, list[tuple[int, float]]]
+    reduce: ReduceSpec | None, new: dict[Labels, list[tuple[int, float]]]
 ) -> dict[Labels, list[tuple[int, float]]]:
     """New points per series -> (step, reduced value) per alert group, in arrival order."""
-    reduce = rule.reduce
     over = None if reduce is None or reduce.over is None else frozenset(reduce.over)
     by_group: dict[Labels, dict[int, list[float]]] = {}
     for labels, points in new.items():
@@ -428,13 +429,17 @@ def _fingerprint(rule: Rule) -> str:
             "match": rule.matcher.as_mapping(),
             "reduce": None if rule.reduce is None else rule.reduce.model_dump(),
             "detector": {"type": rule.detector.type, **rule.detector.params},
-            **(
-                {} if rule.requires is None else {"requires": rule.requires.model_dump(mode="json")}
-            ),
+            **({} if rule.requires is None else {"requires": _requires_fingerprint(rule.requires)}),
         },
         sort_keys=True,
         default=str,
     )
+
+
+def _requires_fingerprint(requires: RequiresSpec) -> dict[str, Any]:
+    """The second signal's part; ``reduce`` only when set (fingerprints saved before it
+    existed stay valid)."""
+    return requires.model_dump(mode="json", exclude=None if requires.reduce else {"reduce"})
 
 
 def _pairs(labels: Labels) -> list[list[str]]:

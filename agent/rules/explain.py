@@ -112,9 +112,17 @@ def _requires(rule: Rule) -> str:
     assert req is not None
     words = describe_detector(req.detector.type, req.detector.params)
     when = "at the same step" if req.within == 0 else f"within the last {req.within} steps"
+    if req.reduce is None:
+        selection = "the same series selection, per the same labels"
+    else:
+        op = f"quantile {req.reduce.q:g}" if req.reduce.op == "quantile" else req.reduce.op
+        over = "all of them" if req.reduce.over is None else ", ".join(req.reduce.over)
+        selection = (
+            f"the same series selection, the {op} over {over} at each step; "
+            "the labels it keeps must agree with the alert's"
+        )
     return (
-        f"and only while {req.metric} (the same series selection, per the same labels) "
-        f"triggered {req.detector.type} {when}: {words}."
+        f"and only while {req.metric} ({selection}) triggered {req.detector.type} {when}: {words}."
     )
 
 

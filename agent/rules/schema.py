@@ -267,7 +267,9 @@ class DetectorSpec(BaseModel):
 class RequiresSpec(_Strict):
     """A second, independent signal the rule's condition needs: ``metric``, selected with the
     rule's own ``match`` and ``reduce`` (so per the same alert labels), must have triggered its
-    ``detector`` within the last ``within`` steps. It opens no alert of its own."""
+    ``detector`` within the last ``within`` steps. It opens no alert of its own. Its own
+    ``reduce`` replaces the rule's for the second signal: labels it reduces away are not
+    compared, so a signal reduced over every router holds for each router's alert."""
 
     metric: MetricName = Field(description="metric name of the second signal")
     detector: DetectorSpec = Field(description="detector type and its parameters")
@@ -276,6 +278,12 @@ class RequiresSpec(_Strict):
         ge=0,
         description="steps: the second signal triggered at most this long before (or at) the "
         "step the rule's own detector triggers",
+    )
+    reduce: ReduceSpec | None = Field(
+        default=None,
+        description="combine the second signal's series per step with this reduction instead "
+        "of the rule's own (over: [router]: one signal for all routers, which then holds for "
+        "every alert of the rule)",
     )
 
 
