@@ -35,8 +35,9 @@ from agent.monitors import (
     spectrum_stats,
     update_spectrum,
 )
+from agent.monitors.spectrum import default_rtol
 from agent.router_probe import RouterProbe, router_samples
-from agent.samples import Sample
+from agent.samples import Sample, labels_of
 
 __all__ = [  # the router probe lives in agent.router_probe; re-exported for older imports
     "QKJob",
@@ -295,13 +296,19 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
     wq1, wk1 = site.factors(job.current, heads)
     if d >= 2 * dh:  # one QR pair gives everything, Delta_2's top direction included
         spectra = qk_monitor_spectra_batched(
-            wq0, wk0, wq1, wk1, chunk_size=qk_chunk_size(wq0), directions=True
+            wq0,
+            wk0,
+            wq1,
+            wk1,
+            chunk_size=qk_chunk_size(wq0),
+            directions=True,
+            delta1=1 in orders,  # Delta_1 only when asked for: (2, 3) by default
         )
         deltas = {1: spectra.delta1, 2: spectra.delta2, 3: spectra.delta3}
         dwq, dwk, wq_norm = spectra.dwq, spectra.dwk, spectra.wq_norm
         directions = spectra.direction
     else:  # tiny heads relative to the width: the separate monitors
-        deltas = {o: qk_increment_spectrum(wq0, wk0, wq1, wk1, order=o) for o in (1, 2, 3)}
+        deltas = {o: qk_increment_spectrum(wq0, wk0, wq1, wk1, order=o) for o in orders}
         dwq, dwk = update_spectrum(wq0, wq1), update_spectrum(wk0, wk1)
         wq_norm = torch.linalg.matrix_norm(wq1, ord=2)
         directions = qk_delta2_direction(wq0, wk0, wq1, wk1)
@@ -327,12 +334,14 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
     per_head[m.DWQ_ENTROPY] = entropy[len(orders)]
     per_head[m.WQ_SPECTRAL_NORM] = wq_norm.tolist()
     per_head[m.QK_DELTA2_PERSISTENCE] = _persistence(job, directions)
+    step = int(job.step)
+    head_labels = [labels_of(layer=site.name, head=h) for h in heads]  # made once per head
     out: list[Sample] = []
     for metric, values in per_head.items():
-        for h, value in zip(heads, values, strict=True):
+        for labels, value in zip(head_labels, values, strict=True):
             if metric == m.QK_DELTA2_PERSISTENCE and math.isnan(value):
                 continue  # the head's first evaluation: no earlier direction to compare with
-            out.append(Sample.make(job.step, metric, value, layer=site.name, head=h))
+            out.append(Sample(step, metric, float(value), labels))
     # dW_k and ||W_k|| once per KV head: the first selected query head of each group carries it.
     dwk_entropy = entropy[len(orders) + 1]
     wk_norm = torch.linalg.matrix_norm(wk1, ord=2).tolist()
@@ -341,9 +350,9 @@ def compute_qk_samples(job: QKJob, orders: tuple[int, ...] = (2, 3)) -> list[Sam
         g = site.kv_head(h)
         if g not in seen:
             seen.add(g)
-            labels = {"layer": site.name, "kv_head": g}
-            out.append(Sample.make(job.step, m.DWK_ENTROPY, dwk_entropy[i], **labels))
-            out.append(Sample.make(job.step, m.WK_SPECTRAL_NORM, wk_norm[i], **labels))
+            labels = labels_of(layer=site.name, kv_head=g)
+            out.append(Sample(step, m.DWK_ENTROPY, float(dwk_entropy[i]), labels))
+            out.append(Sample(step, m.WK_SPECTRAL_NORM, float(wk_norm[i]), labels))
     return out + _control_samples(job)
 
 
@@ -364,14 +373,34 @@ def _persistence(job: QKJob, now: torch.Tensor) -> list[float]:
 
 
 def _control_samples(job: QKJob) -> list[Sample]:
-    """Update entropy and relative size of each control matrix over the job's delta steps."""
-    out = []
-    for name, label in job.controls.items():
+    """Update entropy and relative size of each control matrix over the job's delta steps:
+    one singular-value call per control, then one ``spectrum_stats`` call and one host
+    transfer for all of them."""
+    if not job.controls:
+        return []
+    spectra: list[torch.Tensor] = []  # (min(m, n),) per control, trimmed at its own cut-off
+    sizes: list[torch.Tensor] = []  # () ||dW||_F / ||W||_F per control
+    rtol = math.inf
+    for name in job.controls:
         w0 = control_slice(job.previous[name], job.control_rows).float()  # (m, n)
         w1 = control_slice(job.current[name], job.control_rows).float()
-        stats = spectrum_stats(update_spectrum(w0, w1), shape=tuple(w0.shape))
-        size = torch.linalg.matrix_norm(w1 - w0) / torch.linalg.matrix_norm(w0).clamp_min(1e-30)
-        labels = {"layer": job.site.name, "param": label}
-        out.append(Sample.make(job.step, m.CONTROL_UPDATE_ENTROPY, float(stats.entropy), **labels))
-        out.append(Sample.make(job.step, m.CONTROL_UPDATE_REL_NORM, float(size), **labels))
+        spectra.append(update_spectrum(w0, w1))
+        rtol = min(rtol, default_rtol(tuple(w0.shape), w0.dtype))
+        sizes.append(
+            torch.linalg.matrix_norm(w1 - w0) / torch.linalg.matrix_norm(w0).clamp_min(1e-30)
+        )
+    # One stats call on the spectra padded with zeros to one width (zeros count as dropped
+    # values). ``update_spectrum`` already set every value under its own matrix's cut-off
+    # (eps * max(m, n) * s_max, the one ``spectrum_stats(shape=(m, n))`` applies) to zero, so the
+    # smallest of the cut-offs drops nothing more: each control's statistics are its own.
+    width = max(s.shape[-1] for s in spectra)
+    stacked = torch.stack([torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in spectra])
+    stats = spectrum_stats(stacked, rtol=rtol)  # fields (controls,)
+    entropies, rel_norms = torch.stack([stats.entropy, torch.stack(sizes)]).tolist()
+    step = int(job.step)
+    out = []
+    for label, entropy, size in zip(job.controls.values(), entropies, rel_norms, strict=True):
+        labels = labels_of(layer=job.site.name, param=label)
+        out.append(Sample(step, m.CONTROL_UPDATE_ENTROPY, entropy, labels))
+        out.append(Sample(step, m.CONTROL_UPDATE_REL_NORM, size, labels))
     return out

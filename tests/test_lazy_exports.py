@@ -52,10 +52,11 @@ def test_a_module_path_without_a_dot_is_absolute(package) -> None:
 
 
 def test_the_real_packages_export_what_they_list() -> None:
+    import agent.discovery
     import agent.notify
     import remediations
 
-    for module in (agent.notify, remediations):
+    for module in (agent.discovery, agent.notify, remediations):
         assert module.__all__ == sorted(module.__all__)
         for name in module.__all__:
             assert getattr(module, name) is not None

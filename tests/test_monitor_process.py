@@ -180,6 +180,35 @@ def test_a_job_that_fails_in_the_worker_fails_its_future_only() -> None:
     assert done == [0.0] and process.alive  # the buffers go back; the worker goes on
 
 
+def test_the_worker_keeps_its_temporaries_and_starts_light(monkeypatch) -> None:
+    """The worker runs with ``WORKER_MALLOC_ENV`` (a value already set in the environment
+    wins), and importing it does not import the discovery's pydantic override models."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from agent.monitor_process import WORKER_MALLOC_ENV  # noqa: PLC0415
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    process = MonitorProcess()
+    process.start()
+    try:
+        assert process.ready.wait(timeout=60)
+        assert process._process is not None
+        environ = Path(f"/proc/{process._process.pid}/environ")
+        if environ.exists():  # Linux
+            pairs = dict(
+                item.split("=", 1) for item in environ.read_text().split("\0") if "=" in item
+            )
+            assert pairs["MALLOC_MMAP_THRESHOLD_"] == WORKER_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+            assert pairs["MALLOC_TRIM_THRESHOLD_"] == "12345"
+    finally:
+        process.close()
+    code = "import sys, agent.monitor_worker; print('pydantic' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 TRAINER = """
 import sys, time, tempfile, torch
 torch.set_num_threads(1)

@@ -281,6 +281,22 @@ def test_every_linalg_call_sees_chunk_size_heads(monkeypatch, device, method, di
         assert "qr" not in used and "eigh" in used
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_without_delta1_the_other_values_are_unchanged(method) -> None:
+    """``delta1=False`` (what the agent asks for with its default orders 2 and 3) skips
+    Delta_1 only: every other field is the same tensor value as with it."""
+    factors = _factors(9, 5, dtype=torch.float32)
+    full = qk_monitor_spectra_batched(*factors, chunk_size=2, method=method, directions=True)
+    lean = qk_monitor_spectra_batched(
+        *factors, chunk_size=2, method=method, directions=True, delta1=False
+    )
+    assert lean.delta1 is None
+    for name in ("delta2", "delta3", "dwq", "dwk", "wq_norm", "direction"):
+        assert torch.equal(getattr(lean, name), getattr(full, name)), name
+    with pytest.raises(ValueError, match="Delta_1"):
+        lean.spectra()
+
+
 def test_leading_dimensions_are_kept() -> None:
     factors = [t.reshape(2, 3, D, DH) for t in _factors(7, 6)]
     out = qk_monitor_spectra_batched(*factors, chunk_size=4, directions=True)

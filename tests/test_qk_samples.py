@@ -111,6 +111,39 @@ def test_large_controls_are_measured_on_their_first_rows(shape, measured) -> Non
     assert got[m.CONTROL_UPDATE_REL_NORM] == pytest.approx(size, rel=2e-5)
 
 
+def test_controls_of_different_shapes_in_one_job_each_get_their_own_values() -> None:
+    """The controls of a job are summarized together (their spectra padded to one width, one
+    statistics call): each still gets the entropy and relative size of its own update."""
+    torch.manual_seed(4)
+    model = nn.Module()
+    model.attn = _Attention(24, 3, 4)
+    shapes = {"v_proj": (40, 30), "o_proj": (40, 6), "w_proj": (12, 50)}
+    for name, (rows, cols) in shapes.items():
+        setattr(model.attn, name, nn.Linear(cols, rows, bias=False, dtype=torch.float64))
+    (site,) = find_attention(model)
+    controls = {f"attn.{name}.weight": getattr(model.attn, name).weight for name in shapes}
+    snaps = QKSnapshots([site], delta=1, controls={site.name: controls}, control_rows=8)
+    before = {name: w.detach().clone() for name, w in controls.items()}
+    assert snaps.on_step(0) == []
+    with torch.no_grad():
+        for w in controls.values():
+            w.add_(1e-2 * torch.randn_like(w))
+    (job,) = snaps.on_step(1)
+    got = {
+        (dict(s.labels)["param"], s.metric): s.value
+        for s in compute_qk_samples(job)
+        if "param" in dict(s.labels)
+    }
+    for name, w in controls.items():
+        rows = 8 if min(w.shape) > 8 else w.shape[0]
+        w0, diff = before[name][:rows], (w.detach() - before[name])[:rows]
+        ref = spectrum_stats(torch.linalg.svdvals(diff), shape=tuple(diff.shape))
+        entropy = got[(name, m.CONTROL_UPDATE_ENTROPY)]
+        assert entropy == pytest.approx(float(ref.entropy), rel=2e-5), name
+        size = float(torch.linalg.matrix_norm(diff) / torch.linalg.matrix_norm(w0))
+        assert got[(name, m.CONTROL_UPDATE_REL_NORM)] == pytest.approx(size, rel=2e-5), name
+
+
 def test_snapshot_buffers_are_reused_once_their_jobs_finished() -> None:
     """After a warm-up, a snapshot is a copy into a buffer a finished job gave back: the same
     storage, never one still read by a job or kept as a layer's previous snapshot."""

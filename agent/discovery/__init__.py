@@ -37,22 +37,36 @@ The names below are the public API; the modules are:
 
 from __future__ import annotations
 
-from agent.discovery.attention import find_attention
-from agent.discovery.errors import DiscoveryError
-from agent.discovery.overrides import AttentionOverride, DiscoveryOverrides, RouterOverride
-from agent.discovery.routers import find_routers
-from agent.discovery.sites import AttentionSite, HeadSlices, RouterSite
-from agent.router_output import extract_router_logits
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "AttentionOverride",
-    "AttentionSite",
-    "DiscoveryError",
-    "DiscoveryOverrides",
-    "HeadSlices",
-    "RouterOverride",
-    "RouterSite",
-    "extract_router_logits",
-    "find_attention",
-    "find_routers",
-]
+from agent.lazy_exports import lazy_exports
+
+# Lazy (PEP 562): a process that only needs the sites (the monitor worker, ``agent.probes``)
+# does not import the override models and their pydantic (~0.2 s of CPU at its start).
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "AttentionOverride": ".overrides",
+        "AttentionSite": ".sites",
+        "DiscoveryError": ".errors",
+        "DiscoveryOverrides": ".overrides",
+        "HeadSlices": ".sites",
+        "RouterOverride": ".overrides",
+        "RouterSite": ".sites",
+        "extract_router_logits": "agent.router_output",
+        "find_attention": ".attention",
+        "find_routers": ".routers",
+    },
+)
+
+if TYPE_CHECKING:
+    from agent.discovery.attention import find_attention as find_attention
+    from agent.discovery.errors import DiscoveryError as DiscoveryError
+    from agent.discovery.overrides import AttentionOverride as AttentionOverride
+    from agent.discovery.overrides import DiscoveryOverrides as DiscoveryOverrides
+    from agent.discovery.overrides import RouterOverride as RouterOverride
+    from agent.discovery.routers import find_routers as find_routers
+    from agent.discovery.sites import AttentionSite as AttentionSite
+    from agent.discovery.sites import HeadSlices as HeadSlices
+    from agent.discovery.sites import RouterSite as RouterSite
+    from agent.router_output import extract_router_logits as extract_router_logits

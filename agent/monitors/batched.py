@@ -61,7 +61,7 @@ Method = Literal["qr", "gram"]
 class BatchedQKSpectra(NamedTuple):
     """``QKSpectra``'s fields for factors (..., d, d_h), plus Delta_2's top left direction."""
 
-    delta1: torch.Tensor  # (..., 2 d_h) singular values of Delta_1
+    delta1: torch.Tensor | None  # (..., 2 d_h) singular values of Delta_1 (None: not asked)
     delta2: torch.Tensor  # (..., 2 d_h) singular values of Delta_2
     delta3: torch.Tensor  # (..., d_h) singular values of Delta_3
     dwq: torch.Tensor  # (..., d_h) singular values of dW_q
@@ -70,7 +70,9 @@ class BatchedQKSpectra(NamedTuple):
     direction: torch.Tensor | None  # (..., d) unit top left singular vector of Delta_2, or None
 
     def spectra(self) -> QKSpectra:
-        """The six spectra as a ``QKSpectra``."""
+        """The six spectra as a ``QKSpectra`` (Delta_1 included: ``delta1=True``)."""
+        if self.delta1 is None:
+            raise ValueError("Delta_1 was not computed (delta1=False)")
         return QKSpectra(self.delta1, self.delta2, self.delta3, self.dwq, self.dwk, self.wq_norm)
 
 
@@ -105,6 +107,7 @@ def qk_monitor_spectra_batched(
     method: Method = "qr",
     directions: bool = False,
     gram_dtype: torch.dtype | None = None,
+    delta1: bool = True,
 ) -> BatchedQKSpectra:
     """All QK monitors of factors (..., d, d_h), in chunks of exactly ``chunk_size`` heads.
 
@@ -119,8 +122,9 @@ def qk_monitor_spectra_batched(
     ``method``: ``"qr"`` (thin QR of each side) or ``"gram"`` (Grams, then float64 eigh; see
     the module docstring for the accuracy of each). ``gram_dtype``: the dtype of the Gram
     matmuls for ``"gram"``; default the input dtype, or float64 where float32 matmuls may run
-    in TF32 on CUDA. Never forms a d x d matrix; memory per chunk is a few copies of the chunk's
-    factors.
+    in TF32 on CUDA. ``delta1=False``: Delta_1 is not computed (its field is None; the other
+    values are unchanged). Never forms a d x d matrix; memory per chunk is a few copies of the
+    chunk's factors.
     """
     shape = _check_factors(wq_prev=wq_prev, wk_prev=wk_prev, wq=wq, wk=wk)
     factors = (wq_prev, wk_prev, wq, wk)
@@ -148,15 +152,17 @@ def qk_monitor_spectra_batched(
     for start in range(0, n, chunk_size):
         chunk = [_padded_chunk(t, start, chunk_size) for t in flat]  # (chunk_size, d, d_h)
         if method == "qr":
-            parts.append(_chunk_qr(*chunk, directions=directions))
+            parts.append(_chunk_qr(*chunk, directions=directions, delta1=delta1))
         else:
-            parts.append(_chunk_gram(*chunk, directions=directions, gram_dtype=gram_dtype))
+            parts.append(
+                _chunk_gram(*chunk, directions=directions, gram_dtype=gram_dtype, delta1=delta1)
+            )
 
     def gather(field: int) -> torch.Tensor | None:
         pieces = [p[field] for p in parts]
         if pieces[0] is None:
             return None
-        whole = torch.cat(pieces)[:n]  # drop the padding
+        whole = (pieces[0] if len(pieces) == 1 else torch.cat(pieces))[:n]  # drop the padding
         return whole.reshape(*lead, *whole.shape[1:])
 
     return BatchedQKSpectra(*(gather(i) for i in range(len(BatchedQKSpectra._fields))))
@@ -199,6 +205,7 @@ def _chunk_qr(
     wk: torch.Tensor,
     *,
     directions: bool,
+    delta1: bool = True,
 ) -> BatchedQKSpectra:
     """One chunk (c, d, d_h) through thin QRs in the input dtype (``_monitor_spectra``)."""
     d, dh = wq.shape[-2], wq.shape[-1]
@@ -213,9 +220,6 @@ def _chunk_qr(
     rb_dk, rb_w = rb[..., :dh], rb[..., dh:]  # R of dW_k and of W_k, (c, 2dh, dh) each
     rb_s = torch.cat([rb_w, rb_dk], dim=-1)  # R of B_s = [W_k, dW_k], (c, 2dh, 2dh)
     core2 = (ra @ rb_s.mT).to(dtype)  # (c, 2dh, 2dh)
-    core1 = (ra @ torch.cat([rb_w + rb_dk, rb_dk], dim=-1).mT).to(dtype)  # B = [W_k', dW_k]
-    rq, rk = r_a[..., :dh, :dh], r_b[..., :dh, :dh]  # (c, dh, dh): dW_q, dW_k up to Q
-    core3 = (ra[..., :dh, :dh] @ rb[..., :dh, :dh].mT).to(dtype)  # (c, dh, dh)
     both = zero_q & zero_k
     direction = None
     if directions:
@@ -224,13 +228,18 @@ def _chunk_qr(
         direction = _unit(_apply(dq, wq_prev, w.squeeze(-1).double()), both)
     else:
         s2 = torch.linalg.svdvals(core2)
-    delta1 = _trim(torch.linalg.svdvals(core1), (d, d), both)
     delta2 = _trim(s2, (d, d), both)
+    spectrum1 = None
+    if delta1:
+        core1 = (ra @ torch.cat([rb_w + rb_dk, rb_dk], dim=-1).mT).to(dtype)  # B = [W_k', dW_k]
+        spectrum1 = _trim(torch.linalg.svdvals(core1), (d, d), both)
+    rq, rk = r_a[..., :dh, :dh], r_b[..., :dh, :dh]  # (c, dh, dh): dW_q, dW_k up to Q
+    core3 = (ra[..., :dh, :dh] @ rb[..., :dh, :dh].mT).to(dtype)  # (c, dh, dh)
     delta3 = _trim(torch.linalg.svdvals(core3), (d, d), zero_q | zero_k)
     dwq = _trim(torch.linalg.svdvals(rq), (d, dh), zero_q)
     dwk = _trim(torch.linalg.svdvals(rk), (d, dh), zero_k)
     wq_norm = torch.linalg.svdvals(r_a[..., :dh] + r_a[..., dh:])[..., 0]  # R-coords of W_q'
-    return BatchedQKSpectra(delta1, delta2, delta3, dwq, dwk, wq_norm, direction)
+    return BatchedQKSpectra(spectrum1, delta2, delta3, dwq, dwk, wq_norm, direction)
 
 
 def _gram(x_d: torch.Tensor, x_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -280,6 +289,7 @@ def _chunk_gram(
     *,
     directions: bool,
     gram_dtype: torch.dtype,
+    delta1: bool = True,
 ) -> BatchedQKSpectra:
     """One chunk (c, d, d_h) through Grams (``gram_dtype``) and float64 eigh/eigvalsh."""
     d, dh = wq.shape[-2], wq.shape[-1]
@@ -291,17 +301,8 @@ def _chunk_gram(
     r_a = _gram_sqrt(g_a)  # (c, 2dh, 2dh), R_A^T R_A = G_A
     perm = torch.arange(2 * dh, device=g_b.device).roll(dh)  # [dh .. 2dh-1, 0 .. dh-1]
     g_s = g_b[:, perm][:, :, perm]  # Gram of B_s = [W_k, dW_k]
-    # Delta_1 = A [W_k', dW_k]^T and [W_k', dW_k] = B' M, M = [[I, I], [I, 0]].
     g_bd, g_bx, g_bw = g_b[:, :dh, :dh], g_b[:, :dh, dh:], g_b[:, dh:, dh:]
-    g_1 = torch.cat(
-        [
-            torch.cat([g_bd + g_bx + g_bx.mT + g_bw, g_bd + g_bx.mT], dim=-1),
-            torch.cat([g_bd + g_bx, g_bd], dim=-1),
-        ],
-        dim=-2,
-    )  # M^T G_B M, (c, 2dh, 2dh)
     k2 = r_a @ g_s @ r_a.mT  # (c, 2dh, 2dh): eigenvalues = s(Delta_2)^2
-    k1 = r_a @ g_1 @ r_a.mT  # s(Delta_1)^2
     r_q = r_a[..., :dh]  # (c, 2dh, dh): R_q^T R_q = dW_q^T dW_q
     k3 = r_q @ g_bd @ r_q.mT  # s(Delta_3)^2, rank <= d_h
     g_ad, g_ax, g_aw = g_a[:, :dh, :dh], g_a[:, :dh, dh:], g_a[:, dh:, dh:]
@@ -315,10 +316,21 @@ def _chunk_gram(
         direction = _unit(_apply(dq, wq_prev, w.squeeze(-1)), both)
     else:
         s2 = _sqrt_eigvals_desc(k2)
-    delta1 = _trim(_sqrt_eigvals_desc(k1).to(dtype), (d, d), both)
+    spectrum1 = None
+    if delta1:
+        # Delta_1 = A [W_k', dW_k]^T and [W_k', dW_k] = B' M, M = [[I, I], [I, 0]].
+        g_1 = torch.cat(
+            [
+                torch.cat([g_bd + g_bx + g_bx.mT + g_bw, g_bd + g_bx.mT], dim=-1),
+                torch.cat([g_bd + g_bx, g_bd], dim=-1),
+            ],
+            dim=-2,
+        )  # M^T G_B M, (c, 2dh, 2dh)
+        k1 = r_a @ g_1 @ r_a.mT  # s(Delta_1)^2
+        spectrum1 = _trim(_sqrt_eigvals_desc(k1).to(dtype), (d, d), both)
     delta2 = _trim(s2.to(dtype), (d, d), both)
     delta3 = _trim(_sqrt_eigvals_desc(k3)[..., :dh].to(dtype), (d, d), zero_q | zero_k)
     dwq = _trim(_sqrt_eigvals_desc(g_ad).to(dtype), (d, dh), zero_q)
     dwk = _trim(_sqrt_eigvals_desc(g_bd).to(dtype), (d, dh), zero_k)
     wq_norm = _sqrt_eigvals_desc(g_wq)[..., 0].to(dtype)
-    return BatchedQKSpectra(delta1, delta2, delta3, dwq, dwk, wq_norm, direction)
+    return BatchedQKSpectra(spectrum1, delta2, delta3, dwq, dwk, wq_norm, direction)
