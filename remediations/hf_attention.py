@@ -20,9 +20,9 @@ attention modules:
 models it cannot serve exactly: attention implementations other than ``"sdpa"`` and
 ``"eager"`` (flash and flex kernels: call ``model.set_attn_implementation("sdpa")`` first),
 SDPA layers passed arguments SDPA ignores (``s_aux``, ``sinks``), and models none of whose
-attention modules consult the interface (Falcon computes attention itself:
-``remediations.sdpa_redirect.install_sdpa_redirect`` covers layers that call torch's SDPA
-directly). Attention-like modules that do not consult the interface (linear attention, state
+attention modules consult the interface (Falcon in earlier transformers 5.x computes attention
+itself: ``remediations.sdpa_redirect.install_sdpa_redirect`` covers layers that call torch's
+SDPA directly). Attention-like modules that do not consult the interface (linear attention, state
 space mixers) are named in one warning.
 
 The layer name the switch sees is the attention module's name in the model

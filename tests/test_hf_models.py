@@ -28,19 +28,21 @@ from agent.discovery import find_attention, find_routers
 from agent.monitors import routing_entropy
 from agent.probes import RouterProbe
 from remediations.attention_switch import AttentionPrecisionSwitch
+from remediations.hf_layers import CALLS_TORCH_SDPA, attention_modules
 
 transformers = pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402  (needs transformers)
 
 # family -> (router output index of the logits or None, queries/keys carry a positive per-token
-# scale (QK-norm, MLA's latent norm, YaRN's attention factor), switch installer)
+# scale (QK-norm, MLA's latent norm, YaRN's attention factor), switch installer: "hf", "redirect"
+# or "auto" (the one the installed transformers' classes call for))
 FAMILIES: dict[str, tuple[int | None, bool, str]] = {
     "llama": (None, False, "hf"),
     "qwen3": (None, True, "hf"),
     "gemma3_text": (None, True, "hf"),
     "gpt2": (None, False, "hf"),
     "gpt_neox": (None, False, "hf"),
-    "falcon": (None, False, "redirect"),
+    "falcon": (None, False, "auto"),  # older transformers: calls torch SDPA itself
     "phi3": (None, False, "hf"),
     "mixtral": (0, False, "hf"),
     "qwen2_moe": (0, False, "hf"),
@@ -168,6 +170,9 @@ def _check_switch(model: nn.Module, installer: str) -> None:
     from remediations.hf_attention import install_hf_attention, uninstall_hf_attention
     from remediations.sdpa_redirect import install_sdpa_redirect, uninstall_sdpa_redirect
 
+    if installer == "auto":
+        calls_sdpa = any(why == CALLS_TORCH_SDPA for _, _, why in attention_modules(model).unread)
+        installer = "redirect" if calls_sdpa else "hf"
     implementation = model.config._attn_implementation
     ref, ref_grads = _grads(model)
     gap = 0.0

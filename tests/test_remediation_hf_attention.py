@@ -10,6 +10,7 @@ eager, within the model's own eager-vs-sdpa gap for models that run SDPA).
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -276,9 +277,8 @@ def test_refusals_name_the_module_and_the_reason() -> None:
     llama.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn .*'flash_attention_2'"):
         install_hf_attention(llama)
-    falcon = hf_tiny.tiny("falcon")
-    with pytest.raises(ValueError, match=r"FalconAttention x2 .*install_sdpa_redirect"):
-        install_hf_attention(falcon)
+    with pytest.raises(ValueError, match=r"_OwnSDPAAttention x2 .*install_sdpa_redirect"):
+        install_hf_attention(_OwnSDPAModel())
 
 
 class _SinkAttentionOnSDPA(nn.Module):
@@ -298,8 +298,6 @@ class _SinkAttentionOnSDPA(nn.Module):
 
 def test_sinks_passed_to_sdpa_are_refused() -> None:
     _tiny()
-    import types
-
     from remediations.hf_attention import install_hf_attention
 
     model = nn.Module()
@@ -331,20 +329,57 @@ def test_linear_attention_layers_are_named_in_a_warning() -> None:
     assert installed_layers(model) == ["model.layers.1.self_attn"]
 
 
-def test_falcon_redirect_routes_its_own_sdpa_calls() -> None:
+class _OwnSDPAAttention(nn.Module):
+    """A research-style layer: projections, then torch's SDPA called directly (no interface)."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, length, d = x.shape  # x: (B, L, d); keep: (B, L) 1 for real tokens
+        q, k, v = self.qkv_proj(x).view(b, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L)
+        mask = causal & keep.bool()[:, None, None, :]  # (B, 1, L, L)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, L, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, d))
+
+
+class _OwnSDPAModel(nn.Module):
+    """Two blocks of ``_OwnSDPAAttention``, called like a transformers causal LM."""
+
+    def __init__(self, vocab: int = 64, d: int = 16) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(_attn_implementation="sdpa")
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(_OwnSDPAAttention(d) for _ in range(2))
+            self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        x = self.embed(ids)  # (B, L, d)
+        for block in self.blocks:
+            x = x + block(x, attention_mask)
+        return types.SimpleNamespace(logits=self.head(x))  # (B, L, vocab)
+
+
+def test_redirect_routes_a_modules_own_sdpa_calls() -> None:
     hf_tiny = _tiny()
     from remediations.sdpa_redirect import install_sdpa_redirect, uninstall_sdpa_redirect
 
-    model = hf_tiny.tiny("falcon")
+    model = _OwnSDPAModel().double()
     ids, pad = hf_tiny.batch()
     ref, ref_grads = _run(model, ids, pad)
     switch = AttentionPrecisionSwitch()
     names = install_sdpa_redirect(model, switch=switch)
-    assert names == ["transformer.h.0.self_attention", "transformer.h.1.self_attention"]
+    assert names == ["blocks.0", "blocks.1"]
     out, grads = _run(model, ids, pad)
     assert torch.equal(out, ref) and not _uses(out, "FP32BackwardAttention")
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
-    switch.enable_fp32_backward(["transformer.h.1.*"])
+    switch.enable_fp32_backward(["blocks.1"])
     out, grads = _run(model, ids, pad)
     assert _uses(out, "FP32BackwardAttention") and torch.equal(out, ref)
     assert switch.consulted_layers == set(names)
@@ -353,6 +388,14 @@ def test_falcon_redirect_routes_its_own_sdpa_calls() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not _uses(_run(model, ids, pad)[0], "FP32BackwardAttention")
+
+
+def test_redirect_refuses_a_model_whose_layers_consult_the_interface() -> None:
+    hf_tiny = _tiny()
+    from remediations.sdpa_redirect import install_sdpa_redirect
+
+    with pytest.raises(ValueError, match=r"no module of LlamaForCausalLM calls torch's"):
+        install_sdpa_redirect(hf_tiny.tiny("llama"))
 
 
 def test_padding_rows_with_no_key_keep_zero_gradients() -> None:
