@@ -12,7 +12,9 @@ shared expert beside the routed ones with its own one-output gate, which is not 
 a second architecture the rules were never tuned on.
 
 Scenarios per seed: ``clean``; ``data_shift`` (batches from another HMM from step 1000: a
-benign change); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
+benign change); ``lr_x2`` (the whole model's learning rate doubled from step 500, balancing
+loss on: a benign push on every router at once, which the router rule must not take for a
+router fault); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
 rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
 through an attention function registered with transformers that runs the test bed's emulated
 arithmetic; nothing else changes);
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SCENARIOS = (
     "clean",
     "data_shift",
+    "lr_x2",
     "fa_floor_3",
     "fa_floor_4",
     "fa_floor_6",
@@ -189,6 +192,9 @@ def run(
             optimizer.param_groups[1]["lr_mult"] = ROUTER_FAULTS[scenario]
             model.config.router_aux_loss_coef = 0.0
             model.router_aux_loss_coef = 0.0
+        if step == fault_start and scenario == "lr_x2":
+            for group in optimizer.param_groups:
+                group["lr_mult"] = 2.0
         ids = (shifted if scenario == "data_shift" and step >= SHIFT_STEP else data).batch()
         out = model(ids, labels=ids)
         optimizer.zero_grad(set_to_none=True)
