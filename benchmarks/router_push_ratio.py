@@ -19,6 +19,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from agent.eventlog import read_events
+
 WINDOW = 8  # read-outs in the rolling median a push is measured against
 ROUTER, CONTROL = "router_update_rel_norm", "control_update_rel_norm"
 
@@ -29,14 +31,10 @@ def series(events: Path) -> dict[str, dict[str, dict[int, float]]]:
         ROUTER: defaultdict(dict),
         CONTROL: defaultdict(dict),
     }
-    with events.open() as lines:
-        for line in lines:
-            record = json.loads(line)
-            if record.get("kind") != "metrics":
-                continue
-            for step, name, labels, value in record["samples"]:
-                if name in out:
-                    out[name][json.dumps(labels, sort_keys=True)][step] = value
+    for record in read_events(events, "metrics"):
+        for step, name, labels, value in record["samples"]:
+            if name in out:
+                out[name][json.dumps(labels, sort_keys=True)][step] = value
     return out
 
 

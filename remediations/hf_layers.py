@@ -47,8 +47,12 @@ class AttentionModules:
             parts.append(f"{cls} x{len(names)} ({shown}): {why}")
         return "; ".join(parts) if parts else "no attention-like module found"
 
+    def calling_torch_sdpa(self) -> list[str]:
+        """Names of the modules that call torch's scaled_dot_product_attention themselves."""
+        return [name for name, _, why in self.unread if why == CALLS_TORCH_SDPA]
+
     def redirect_hint(self) -> str:
-        if not any(why == CALLS_TORCH_SDPA for _, _, why in self.unread):
+        if not self.calling_torch_sdpa():
             return ""
         return (
             " Layers that call torch's scaled_dot_product_attention themselves can consult the "

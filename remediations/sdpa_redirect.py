@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from remediations.attention_switch import AttentionPrecisionSwitch, attention_precision
 from remediations.fp32_attention import scaled_dot_product_attention
-from remediations.hf_layers import CALLS_TORCH_SDPA, attention_modules
+from remediations.hf_layers import attention_modules
 
 _HANDLES = "_mechwatch_sdpa_redirect"  # module attribute holding the hook handles
 
@@ -63,8 +63,7 @@ def install_sdpa_redirect(
     when there is nothing to route."""
     named = dict(model.named_modules())
     if modules is None:
-        found = attention_modules(model)
-        names = [name for name, _, why in found.unread if why == CALLS_TORCH_SDPA]
+        names = attention_modules(model).calling_torch_sdpa()
     else:
         names = list(modules)
         missing = [n for n in names if n not in named]

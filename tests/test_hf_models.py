@@ -28,7 +28,7 @@ from agent.discovery import find_attention, find_routers
 from agent.monitors import routing_entropy
 from agent.probes import RouterProbe
 from remediations.attention_switch import AttentionPrecisionSwitch
-from remediations.hf_layers import CALLS_TORCH_SDPA, attention_modules
+from remediations.hf_layers import attention_modules
 
 transformers = pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402  (needs transformers)
@@ -171,8 +171,7 @@ def _check_switch(model: nn.Module, installer: str) -> None:
     from remediations.sdpa_redirect import install_sdpa_redirect, uninstall_sdpa_redirect
 
     if installer == "auto":
-        calls_sdpa = any(why == CALLS_TORCH_SDPA for _, _, why in attention_modules(model).unread)
-        installer = "redirect" if calls_sdpa else "hf"
+        installer = "redirect" if attention_modules(model).calling_torch_sdpa() else "hf"
     implementation = model.config._attn_implementation
     ref, ref_grads = _grads(model)
     gap = 0.0
