@@ -20,6 +20,11 @@ Run: python benchmarks/gpu.py --out benchmarks/results/gpu.md       (needs CUDA;
    alternated, repeated; ms/step and the run's wall-time overhead.
 3. The FP32-backward switch (``remediations.attention.scaled_dot_product_attention`` with its
    switch on) against torch's flash SDPA: forward + backward at (8, 16, 2048, 128) in bf16.
+4. Host-device synchronizations: the same training loop under
+   ``torch.cuda.set_sync_debug_mode("warn")``, without and with the agent, every synchronizing
+   call counted by the thread that made it and the first line of our code on its stack. The
+   training thread must show none that the bare loop does not (the agent's promise: no sync
+   per step); the monitor thread may synchronize (its waits block only itself).
 
 Without CUDA (and without --dry-run) it prints that no GPU was found and exits 0, writing
 nothing. --dry-run runs every measurement through the same code at tiny shapes on the CPU
@@ -34,7 +39,11 @@ import datetime
 import math
 import statistics
 import tempfile
+import threading
 import time
+import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -578,6 +587,86 @@ def _peak_gib(fn: Callable[[], object], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+# ----------------------------------------------------------------------------- 4. syncs
+
+ROOT = Path(__file__).resolve().parents[1]
+SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    steps: int  # counted steps per loop (after the warm-up)
+    bare: Counter  # (thread, origin) -> synchronizing calls, loop without the agent
+    agent: Counter  # (thread, origin) -> synchronizing calls, loop with the agent
+    checked: bool  # False on a CPU: there is no device to synchronize with
+
+
+def _origin() -> str:
+    """The innermost frame of this repository's code outside this file's recorder, as
+    ``path:line (function)``; the innermost frame at all when none is ours."""
+    frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+    ours = [f for f in frames if f.filename.startswith(str(ROOT)) and f.name != "_record"]
+    frame = (ours or frames)[-1]
+    path = Path(frame.filename)
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    return f"{where}:{frame.lineno} ({frame.name})"
+
+
+def _count_syncs(plan: Plan, device: torch.device, steps: int, run_dir: Path | None) -> Counter:
+    """Synchronizing calls during ``steps`` training steps after ``plan.warmup_steps``
+    uncounted ones, with the agent when ``run_dir`` is given (its close() is not counted)."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Decoder(plan.model).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    batches = torch.randint(0, plan.model.vocab, (4, plan.model.batch, plan.model.seq + 1))
+    batches = batches.to(device)
+    agent = (
+        None if run_dir is None else Agent(model, optimizer, config=_agent_config(plan, run_dir))
+    )
+    counts: Counter = Counter()
+    lock = threading.Lock()
+
+    def _record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if SYNC_WARNING in str(message):
+            key = (threading.current_thread().name, _origin())
+            with lock:
+                counts[key] += 1
+
+    step = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = _record
+        try:
+            while step < plan.warmup_steps + steps:
+                if step == plan.warmup_steps and device.type == "cuda":
+                    sync(device)
+                    torch.cuda.set_sync_debug_mode("warn")
+                loss, grad_norm = _train_step(model, optimizer, batches[step % len(batches)])
+                step = (
+                    step + 1 if agent is None else agent.step(step, loss=loss, grad_norm=grad_norm)
+                )
+            if agent is not None:
+                # the monitor thread's work for the counted steps, still under the debug mode
+                agent.thread.submit(lambda: None).result(timeout=120)  # jobs run in order
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    if agent is not None:
+        agent.close()
+    return counts
+
+
+def measure_syncs(plan: Plan, device: torch.device) -> SyncResult:
+    steps = 3 * plan.delta  # three QK evaluations, router read-outs and symptom rounds
+    with tempfile.TemporaryDirectory(prefix="mechwatch-gpu-sync-") as tmp:
+        bare = _count_syncs(plan, device, steps, None)
+        _free(device)
+        watched = _count_syncs(plan, device, steps, Path(tmp) / "sync")
+        _free(device)
+    return SyncResult(steps, bare, watched, device.type == "cuda")
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -596,18 +685,19 @@ def device_lines(device: torch.device, dry_run: bool) -> list[str]:
     ]
 
 
-def render_qk(results: list[QKResult]) -> list[str]:
-    rows = [
+def render_qk_header() -> list[str]:
+    return [
         "QK monitors, one evaluation (every layer and head; Delta_1/2/3, dW_q, dW_k spectra), "
         "fp32 factors; CUDA-synchronized, warm-up excluded, median:",
         "",
         "| shape | path | ms / evaluation | note |",
         "|---|---|---|---|",
     ]
-    for r in results:
-        value = "n/a" if math.isnan(r.ms) else f"{r.ms:.2f}"
-        rows.append(f"| {r.shape.label} | {r.path} | {value} | {r.note} |")
-    return rows + [""]
+
+
+def render_qk_row(r: QKResult) -> str:
+    value = "n/a" if math.isnan(r.ms) else f"{r.ms:.2f}"
+    return f"| {r.shape.label} | {r.path} | {value} | {r.note} |"
 
 
 def render_step(plan: Plan, r: StepResult) -> list[str]:
@@ -652,9 +742,34 @@ def render_attention(shape: AttentionShape, r: AttentionResult) -> list[str]:
     ]
 
 
+def render_syncs(plan: Plan, r: SyncResult) -> list[str]:
+    head = (
+        f"Host-device synchronizations over {r.steps} training steps (after {plan.warmup_steps} "
+        "uncounted), torch.cuda.set_sync_debug_mode('warn'), counted by thread and by the "
+        "innermost line of this repository's code on the stack:"
+    )
+    if not r.checked:
+        return [head, "", "Not counted on a CPU (no device to synchronize with).", ""]
+    rows = [head, "", "| loop | thread | where | calls | per step |", "|---|---|---|---|---|"]
+    for label, counts in (("without the agent", r.bare), ("with the agent", r.agent)):
+        if not counts:
+            rows.append(f"| {label} | - | none | 0 | 0 |")
+        for (thread, where), n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            rows.append(f"| {label} | {thread} | {where} | {n} | {n / r.steps:.2f} |")
+    main_bare = sum(n for (t, _), n in r.bare.items() if t == "MainThread")
+    main_agent = sum(n for (t, _), n in r.agent.items() if t == "MainThread")
+    rows += [
+        "",
+        f"Training thread: {main_bare} synchronizing calls without the agent, {main_agent} with "
+        f"it ({(main_agent - main_bare) / r.steps:+.2f} per step from the agent).",
+        "",
+    ]
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
-PARTS = ("qk", "step", "attention")
+PARTS = ("qk", "step", "attention", "sync")
 
 
 def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
@@ -666,13 +781,13 @@ def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
         print("\n".join(block), flush=True)
         lines.extend(block)
 
-    if "qk" in parts:
-        results: list[QKResult] = []
+    if "qk" in parts:  # rows printed as they come: the big shape takes minutes
+        emit(render_qk_header())
         for shape in plan.qk:
             for measure in (measure_qk_monitors, measure_agent_qk, measure_agent_controls):
-                results += measure(shape, device, plan.repeats, dtype)
+                emit([render_qk_row(r) for r in measure(shape, device, plan.repeats, dtype)])
                 _free(device)  # the measurement's tensors went with its frame
-        emit(render_qk(results))
+        emit([""])
     if "step" in parts:
         emit(render_step(plan, measure_training_overhead(plan, device)))
     if "attention" in parts:
@@ -681,6 +796,8 @@ def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
                 plan.attention, measure_attention(plan.attention, device, plan.repeats)
             )
         )
+    if "sync" in parts:
+        emit(render_syncs(plan, measure_syncs(plan, device)))
     return lines
 
 

@@ -89,6 +89,9 @@ def test_dry_run_has_training_and_attention_rows(dry_run_table: str) -> None:
     assert math.isfinite(_number(rows["overhead (whole-run wall time)"][0]))
     assert "found by the agent" in dry_run_table
     assert "2 attention layers and 1 router(s)" in dry_run_table  # discovery saw the model
+    # the sync count ran its loops (with and without the agent) and says why it counts nothing
+    assert "Host-device synchronizations over 6 training steps" in dry_run_table
+    assert "Not counted on a CPU" in dry_run_table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the plain command benchmarks")
