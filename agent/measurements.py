@@ -19,6 +19,11 @@ Per step, on the training thread (cheap, no host-device sync):
     measured at step t is returned at step t + ``scheduling.apply_lag`` (waiting for it if it
     is late), so every rank feeds the same samples to the rules at the same step.
 
+The symptom and router read-outs of device tensors end in one host transfer each. On a GPU
+the transfer is started at the read-out step and its samples are returned ``apply_lag`` steps
+later (``agent.host_read``: the copy has arrived by then, nothing waits); on a CPU, or with
+``apply_lag`` 0, at the read-out step itself.
+
 Each part is guarded on its own: a part that fails is reported through ``report(what,
 text)`` and skipped (its buffered values dropped), the other parts go on.
 ``restart()`` forgets what belongs to an abandoned path (after a rollback).
@@ -38,6 +43,7 @@ from agent import samples as m
 from agent.costs import MONITOR_THREAD, Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import find_controls
+from agent.host_read import HostRead
 from agent.monitor_budget import MonitorBudget
 from agent.monitor_process import ProcessWorker, process_supported
 from agent.probes import QKJob, QKSnapshots, compute_qk_samples
@@ -124,6 +130,9 @@ class Measurements:
         self._loss: list[tuple[int, Scalar]] = []
         self._grad: list[tuple[int, Scalar]] = []
         self._pending: list[tuple[int, Future]] = []  # (due step, future of samples)
+        # (due step, what the samples are, their maker): read-outs whose host transfer from
+        # a GPU is in flight (agent.host_read)
+        self._reads: list[tuple[int, str, Callable[[], list[Sample]]]] = []
         # read-out step -> the routers' batches handed over apply_lag steps before, and the
         # future of their reduced rows (computed on the monitor thread)
         self._router_handed: dict[int, tuple[list[HandedBatch], Future]] = {}
@@ -172,23 +181,51 @@ class Measurements:
 
     def collect(self, step: int) -> list[Sample]:
         """Every sample due at ``step`` (see the module docstring)."""
-        new: list[Sample] = []
+        new = self._reads_due(step)
+        lag = self.config.scheduling.apply_lag
         if step % self.config.symptoms.every == 0:
-            new += self._guarded("symptoms", self._read_symptoms, [], clear=True)
+            reads = self._guarded("symptoms", self._read_symptoms, [], clear=True)
+            for in_flight, make in reads:
+                new += self._take_or_defer(step, "symptoms", in_flight, make)
         self._hand_over_routers(step)
         if self.router_sites and step % self.config.router.every == 0:
             rows = self._router_rows(step)
-            new += self._guarded("router probe", lambda: self.router_probe.read(step, rows), [])
+            read = self._guarded(
+                "router probe", lambda: self.router_probe.start_read(step, rows), None
+            )
+            if read is not None:
+                new += self._take_or_defer(step, "router probe", read.in_flight, read.samples)
             for err in self.router_probe.errors:
                 self.report("router probe", err)
             self.router_probe.errors.clear()
-        lag = self.config.scheduling.apply_lag
         if self.budget is not None:
             self._apply_budget(step)
         for job in self._guarded("qk snapshot", lambda: self.qk.on_step(step), []):
             self._pending.append((step + lag, self._submit_job(job)))
         new += self._collect_due(step)
         return new
+
+    def _take_or_defer(
+        self, step: int, what: str, in_flight: bool, make: Callable[[], list[Sample]]
+    ) -> list[Sample]:
+        """A read-out's samples now, or ``apply_lag`` steps later when its host transfer is in
+        flight from a GPU."""
+        lag = self.config.scheduling.apply_lag
+        if in_flight and lag > 0:
+            self._reads.append((step + lag, what, make))
+            return []
+        return self._guarded(what, make, [])
+
+    def _reads_due(self, step: int) -> list[Sample]:
+        out: list[Sample] = []
+        keep = []
+        for due, what, make in self._reads:
+            if due > step:
+                keep.append((due, what, make))
+            else:
+                out += self._guarded(what, make, [])
+        self._reads = keep
+        return out
 
     def _apply_budget(self, step: int) -> None:
         """Time the step; before a snapshot step, size the next evaluation to the budget."""
@@ -211,6 +248,7 @@ class Measurements:
         for future in [f for _, f in self._pending + list(self._router_handed.values())]:
             future.cancel()
         self._pending.clear()
+        self._reads.clear()
         self._router_handed.clear()
         self._loss.clear()
         self._grad.clear()
@@ -224,21 +262,21 @@ class Measurements:
         for future in [f for _, f in self._pending + list(self._router_handed.values())]:
             future.cancel()
         self._pending.clear()
+        self._reads.clear()
         self._router_handed.clear()
 
     # -- parts ---------------------------------------------------------------------------------
-    def _read_symptoms(self) -> list[Sample]:
-        out: list[Sample] = []
+    def _read_symptoms(self) -> list[tuple[bool, Callable[[], list[Sample]]]]:
+        """The buffered loss and grad norm, one host transfer each started now: (in flight,
+        maker of the samples) per buffer (``_take_or_defer``)."""
+        out = []
         for buffer, metric in ((self._loss, m.LOSS), (self._grad, m.GRAD_NORM)):
             if not buffer:
                 continue
             steps = [s for s, _ in buffer]
-            values = _to_floats([v for _, v in buffer])  # one host transfer
+            values = _Floats([v for _, v in buffer])  # one host transfer
             buffer.clear()
-            for s, v in zip(steps, values, strict=True):
-                out.append(Sample.make(s, metric, v))
-                if metric == m.LOSS:
-                    out.append(Sample.make(s, m.LOSS_NONFINITE, 0.0 if math.isfinite(v) else 1.0))
+            out.append((values.in_flight, lambda st=steps, v=values, k=metric: _symptoms(st, v, k)))
         return out
 
     def _hand_over_routers(self, step: int) -> None:
@@ -350,12 +388,31 @@ class Measurements:
 _PART = {"symptoms": "read-outs", "router probe": "read-outs", "qk snapshot": "snapshots"}
 
 
-def _to_floats(values: list[Scalar]) -> list[float]:
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    host = iter(torch.stack([t.float().reshape(()) for t in tensors]).cpu().tolist())
-    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
+class _Floats:
+    """Scalars (host floats and 0-dim tensors) whose tensors travel in one ``HostRead``."""
+
+    def __init__(self, values: list[Scalar]) -> None:
+        self.values = values
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        stacked = torch.stack([t.float().reshape(()) for t in tensors]) if tensors else None
+        self.read = None if stacked is None else HostRead(stacked)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.read is not None and self.read.in_flight
+
+    def tolist(self) -> list[float]:
+        host = iter(self.read.tolist() if self.read is not None else [])
+        return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in self.values]
+
+
+def _symptoms(steps: list[int], values: _Floats, metric: str) -> list[Sample]:
+    out = []
+    for s, v in zip(steps, values.tolist(), strict=True):
+        out.append(Sample.make(s, metric, v))
+        if metric == m.LOSS:
+            out.append(Sample.make(s, m.LOSS_NONFINITE, 0.0 if math.isfinite(v) else 1.0))
+    return out
 
 
 def _grad_norm(model: torch.nn.Module) -> torch.Tensor | None:

@@ -93,14 +93,17 @@ class SnapshotBuffers:
     def copy(self, name: str, p: torch.Tensor, target: torch.device) -> torch.Tensor:
         """An fp32 copy of ``p`` on ``target`` in a reused buffer (asynchronous on a GPU)."""
         free = self._free.get((name, p.shape, target))
-        buffer = free.pop() if free else self._new(p.shape, target)
+        buffer = free.pop() if free else self._new(p.shape, target, pinned=p.is_cuda)
         buffer.copy_(p, non_blocking=p.is_cuda and target.type == "cpu")
         return buffer
 
-    def _new(self, shape: torch.Size, target: torch.device) -> torch.Tensor:
+    def _new(self, shape: torch.Size, target: torch.device, *, pinned: bool) -> torch.Tensor:
+        """A new buffer; on the host for a GPU weight (``qk.snapshot_device: cpu``) in pinned
+        memory, without which the non-blocking copy would wait for the device after all."""
         if self.allocate_cpu is not None and target.type == "cpu":
             return self.allocate_cpu(shape)
-        return torch.empty(shape, dtype=torch.float32, device=target)
+        pin = pinned and target.type == "cpu"
+        return torch.empty(shape, dtype=torch.float32, device=target, pin_memory=pin)
 
     def finished(self, job: QKJob) -> None:
         """``job`` was computed (monitor thread): its buffers may be reused."""
@@ -267,19 +270,21 @@ class QKSnapshots:
         )
 
 
-# Heads per call of the batched QK spectra on a GPU: every call sees the same batch size
-# (cuSOLVER sets itself up again when it changes; the last chunk is padded).
+# Most heads per call of the batched QK spectra on a GPU: a layer's calls all see the same
+# batch size (cuSOLVER sets itself up again when it changes; the last chunk is padded).
 GPU_CHUNK_SIZE = 32
 
 
 def qk_chunk_size(factors: torch.Tensor) -> int:
-    """Heads per batched call for factors (n, d, d_h): ``GPU_CHUNK_SIZE`` on a GPU; on a CPU
-    all n at once for small d (fewer, larger calls) and one at a time from d = 2048 on, where
-    a batch of tall matrices runs out of cache (benchmarks/results/batched_speed.md: 12-17%
-    slower batched at d = 4096, equal at d = 1024)."""
-    if factors.device.type != "cpu":
-        return GPU_CHUNK_SIZE
+    """Heads per batched call for factors (n, d, d_h). On a GPU at most ``GPU_CHUNK_SIZE``
+    and never more than the n heads of the call: a layer of 8 heads padded to 32 did four
+    times the work (benchmarks/results/gpu.md, 11.3 s against 3.8 s per evaluation on an
+    H200). On a CPU all n at once for small d (fewer, larger calls) and one at a time from
+    d = 2048 on, where a batch of tall matrices runs out of cache
+    (benchmarks/results/batched_speed.md: 12-17% slower batched at d = 4096, equal at 1024)."""
     n, d = factors.shape[0], factors.shape[-2]
+    if factors.device.type != "cpu":
+        return max(1, min(GPU_CHUNK_SIZE, n))
     return 1 if d >= 2048 else max(1, n)
 
 

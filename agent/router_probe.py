@@ -21,6 +21,7 @@ import torch
 from agent import samples as m
 from agent.costs import Costs
 from agent.discovery import RouterSite
+from agent.host_read import HostRead
 from agent.monitors import router_conditioning_ratio, router_similarity
 from agent.monitors.router import ROUTING_SUM_FIELDS
 from agent.router_buffer import HandedBatch, RouterLogitBuffer
@@ -244,22 +245,54 @@ class RouterProbe:
         """Samples of read-out ``step`` (one host transfer): from ``rows`` (per router, the
         reduced sums of a hand-over, ``HandedBatch.reduce``) or, when None, from everything
         buffered since the last read (``take``)."""
+        pending = self.start_read(step, rows)
+        return [] if pending is None else pending.samples()
+
+    def start_read(
+        self, step: int, rows: list[torch.Tensor | None] | None = None
+    ) -> RouterRead | None:
+        """``read`` in two halves: the device work and the start of the one host transfer now,
+        the samples from ``RouterRead.samples()`` (later, when the transfer is in flight from
+        a GPU: ``agent.host_read``). None: no router has data."""
         self.check_silent()
         if rows is None:
             rows = [self.take(i) for i in range(len(self.sites))]
-        host_rows, names = [], []
+        device_rows, names = [], []
         for i, (site, row) in enumerate(zip(self.sites, rows, strict=True)):
             if row is None:
                 continue
             stats = self.weight_stats(i)
-            host_rows.append(torch.cat([row.to(stats.device, stats.dtype), stats]))
+            # float64 holds every router's float32 or float64 values exactly
+            device_rows.append(torch.cat([row.to(stats.device, stats.dtype), stats]).double())
             names.append(site)
-        if not host_rows:
-            return []
-        host = [r.cpu().tolist() for r in host_rows]  # the one synchronization of this read
+        if not device_rows:
+            return None
+        lengths = [len(r) for r in device_rows]
+        if len({r.device for r in device_rows}) > 1:  # routers on several devices: gather
+            device_rows = [r.to(device_rows[0].device) for r in device_rows]
+        return RouterRead(step, names, lengths, HostRead(torch.cat(device_rows)))
+
+
+class RouterRead:
+    """A router read-out whose host transfer was started (``RouterProbe.start_read``)."""
+
+    def __init__(
+        self, step: int, sites: list[RouterSite], lengths: list[int], values: HostRead
+    ) -> None:
+        self.step, self.sites, self.lengths, self.values = step, sites, lengths, values
+
+    @property
+    def in_flight(self) -> bool:
+        return self.values.in_flight
+
+    def samples(self) -> list[Sample]:
+        flat = self.values.tolist()  # (sum of lengths,)
         out: list[Sample] = []
-        for site, values in zip(names, host, strict=True):
-            out += router_samples(step, site, values[:-3], (step, *values[-3:]))
+        start = 0
+        for site, n in zip(self.sites, self.lengths, strict=True):
+            values = flat[start : start + n]
+            start += n
+            out += router_samples(self.step, site, values[:-3], (self.step, *values[-3:]))
         return out
 
 

@@ -16,10 +16,15 @@ Run: python benchmarks/gpu.py --out benchmarks/results/gpu.md       (needs CUDA;
    one layer and multiplied by the layer count. CUDA-synchronized, warm-up excluded, medians.
 2. The agent on a ~100M-parameter decoder (plain torch: SDPA attention with q/k/v/o_proj, two
    MoE layers with an HF-style ``mlp.gate`` router, bf16 autocast, AdamW): whole runs of
-   ``steps`` steps with and without ``Agent`` (default monitors and rules, detect-only),
-   alternated, repeated; ms/step and the run's wall-time overhead.
+   ``steps`` steps without ``Agent`` and with it (default monitors and rules, detect-only;
+   and the same with ``qk.snapshot_device: cpu``), in rotated order, repeated; ms/step, the
+   run's wall-time overhead and the longest ``agent.step`` call.
 3. The FP32-backward switch (``remediations.attention.scaled_dot_product_attention`` with its
    switch on) against torch's flash SDPA: forward + backward at (8, 16, 2048, 128) in bf16.
+5. The linear algebra under the QK monitors, op by op (``--parts linalg``): a batch of 32
+   heads' QR of d x 2 d_h factors, Grams, and SVDs / symmetric eigenvalues of the 2 d_h x
+   2 d_h cores, in fp32 and fp64, on the device and on the host's CPU (torch's threads), to
+   choose the device path (issue #17 item 1) from measurements.
 4. Host-device synchronizations: the same training loop under
    ``torch.cuda.set_sync_debug_mode("warn")``, without and with the agent, every synchronizing
    call counted by the thread that made it and the first line of our code on its stack. The
@@ -144,7 +149,7 @@ FULL = Plan(
         expert_ff=512,
     ),
     steps=200,
-    runs=3,
+    runs=2,
     warmup_steps=40,
     delta=25,  # the agent's defaults
     router_every=25,
@@ -192,20 +197,39 @@ class QKResult:
     note: str = ""
 
 
+# The agent's configurations timed in part 2 (beside the bare loop): its defaults, and the
+# spectra computed on the host from snapshots in pinned host memory.
+AGENT_KINDS: dict[str, dict] = {
+    "default": {},
+    "host snapshots": {"qk": {"snapshot_device": "cpu"}},
+}
+
+
+@dataclass(frozen=True)
+class StepRun:
+    kind: str  # "bare" or an AGENT_KINDS key
+    seconds: float  # the whole run's wall time
+    longest_ms: float  # the longest agent.step call (waits for late results); 0 when bare
+
+
 @dataclass(frozen=True)
 class StepResult:
     params: int
     routers: int
     attention_layers: int
-    bare_s: list[float]  # seconds per timed run, without the agent
-    agent_s: list[float]  # with the agent
+    runs: list[StepRun]
 
-    def ms_per_step(self, runs: list[float], steps: int) -> float:
-        return 1e3 * statistics.median(runs) / steps
+    def seconds(self, kind: str) -> list[float]:
+        return [r.seconds for r in self.runs if r.kind == kind]
 
-    @property
-    def overhead(self) -> float:
-        return statistics.median(self.agent_s) / statistics.median(self.bare_s) - 1
+    def ms_per_step(self, kind: str, steps: int) -> float:
+        return 1e3 * statistics.median(self.seconds(kind)) / steps
+
+    def overhead(self, kind: str) -> float:
+        return statistics.median(self.seconds(kind)) / statistics.median(self.seconds("bare")) - 1
+
+    def longest_ms(self, kind: str) -> float:
+        return max(r.longest_ms for r in self.runs if r.kind == kind)
 
 
 @dataclass(frozen=True)
@@ -479,13 +503,15 @@ def _train_step(
     return loss.detach(), grad_norm
 
 
-def _agent_config(plan: Plan, run_dir: Path) -> AgentConfig:
-    """Default monitors and rules, detect-only, no checkpoints, no console pages."""
+def _agent_config(plan: Plan, run_dir: Path, kind: str = "default") -> AgentConfig:
+    """Default monitors and rules (with ``AGENT_KINDS[kind]``'s changes), detect-only, no
+    checkpoints, no console pages."""
+    extra = AGENT_KINDS[kind]
     return AgentConfig.model_validate(
         {
             "run_name": "gpu-benchmark",
             "run_dir": str(run_dir),
-            "qk": {"delta": plan.delta},
+            "qk": {"delta": plan.delta, **extra.get("qk", {})},
             "router": {"every": plan.router_every},
             "symptoms": {"every": plan.symptoms_every},
             "actions": {"dry_run": True},
@@ -495,10 +521,10 @@ def _agent_config(plan: Plan, run_dir: Path) -> AgentConfig:
 
 
 def _timed_run(
-    plan: Plan, device: torch.device, steps: int, run_dir: Path | None
-) -> tuple[float, Decoder, Agent | None]:
-    """Seconds for ``steps`` training steps of a fresh model (seed 0), with the agent when
-    ``run_dir`` is given (its construction is not timed; its close is)."""
+    plan: Plan, device: torch.device, steps: int, run_dir: Path | None, kind: str = "default"
+) -> tuple[StepRun, Decoder, Agent | None]:
+    """``steps`` training steps of a fresh model (seed 0), with the agent configured as
+    ``kind`` when ``run_dir`` is given (its construction is not timed; its close is)."""
     torch.manual_seed(0)
     shape = plan.model
     with torch.device(device):
@@ -506,23 +532,32 @@ def _timed_run(
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     batches = torch.randint(0, shape.vocab, (4, shape.batch, shape.seq + 1), device=device)
     agent = (
-        None if run_dir is None else Agent(model, optimizer, config=_agent_config(plan, run_dir))
+        None
+        if run_dir is None
+        else Agent(model, optimizer, config=_agent_config(plan, run_dir, kind))
     )
     sync(device)
     t0 = time.perf_counter()
-    step = 0
+    step, longest = 0, 0.0
     while step < steps:
         loss, grad_norm = _train_step(model, optimizer, batches[step % len(batches)])
-        step = step + 1 if agent is None else agent.step(step, loss=loss, grad_norm=grad_norm)
+        if agent is None:
+            step += 1
+            continue
+        called = time.perf_counter()  # host time of the call: no sync, waits show
+        step = agent.step(step, loss=loss, grad_norm=grad_norm)
+        longest = max(longest, time.perf_counter() - called)
     if agent is not None:
         agent.close()
     sync(device)
-    return time.perf_counter() - t0, model, agent
+    seconds = time.perf_counter() - t0
+    return StepRun("bare" if agent is None else kind, seconds, 1e3 * longest), model, agent
 
 
 def measure_training_overhead(plan: Plan, device: torch.device) -> StepResult:
-    """Whole runs with and without the agent, alternated (ABBA), after one untimed warm-up
-    run of each kind."""
+    """Whole runs without the agent and with each of ``AGENT_KINDS``, the order rotated
+    each round, after one untimed warm-up run of each kind; each run printed as it ends."""
+    kinds = ["bare", *AGENT_KINDS]
     with tempfile.TemporaryDirectory(prefix="mechwatch-gpu-") as tmp:
         _timed_run(plan, device, plan.warmup_steps, None)
         _, model, agent = _timed_run(plan, device, plan.warmup_steps, Path(tmp) / "warmup")
@@ -530,16 +565,20 @@ def measure_training_overhead(plan: Plan, device: torch.device) -> StepResult:
         params = sum(p.numel() for p in model.parameters())
         routers, layers = len(agent.router_sites), len(agent.attention_sites)
         del model, agent
-        bare: list[float] = []
-        watched: list[float] = []
+        runs: list[StepRun] = []
         for r in range(plan.runs):
-            kinds = (False, True) if r % 2 == 0 else (True, False)
-            for with_agent in kinds:
-                run_dir = Path(tmp) / f"run{r}" if with_agent else None
-                seconds, _, _ = _timed_run(plan, device, plan.steps, run_dir)
-                (watched if with_agent else bare).append(seconds)
+            for i in range(len(kinds)):
+                kind = kinds[(i + r) % len(kinds)]
+                run_dir = None if kind == "bare" else Path(tmp) / f"run{r}-{i}"
+                run, _, _ = _timed_run(plan, device, plan.steps, run_dir, kind)
+                runs.append(run)
+                print(
+                    f"round {r}, {kind}: {1e3 * run.seconds / plan.steps:.2f} ms/step, "
+                    f"longest agent.step {run.longest_ms:.1f} ms",
+                    flush=True,
+                )
                 _free(device)
-    return StepResult(params, routers, layers, bare, watched)
+    return StepResult(params, routers, layers, runs)
 
 
 # ----------------------------------------------------------------------------- 3. attention
@@ -587,6 +626,81 @@ def _peak_gib(fn: Callable[[], object], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+# ----------------------------------------------------------------------------- 5. linalg
+
+
+@dataclass(frozen=True)
+class LinalgResult:
+    op: str
+    batch: int
+    dtype: str
+    device_ms: float | None  # None: not run on the device (CPU dry run) or not available there
+    host_ms: float
+
+
+def _linalg_ops(
+    batch: int, d: int, r: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Callable[[], object]]:
+    """The QK path's operations on ``batch`` random inputs: tall factors (batch, d, r) and
+    square cores (batch, r, r), r = 2 d_h."""
+    g = torch.Generator(device=device).manual_seed(0)
+    tall = torch.randn(batch, d, r, generator=g, device=device, dtype=dtype)
+    core = torch.randn(batch, r, r, generator=g, device=device, dtype=dtype)
+    sym = core @ core.mT
+    ops: dict[str, Callable[[], object]] = {
+        f"qr mode=r ({d} x {r})": lambda: torch.linalg.qr(tall, mode="r"),
+        f"gram A^T A ({d} x {r})": lambda: tall.mT @ tall,
+        f"svdvals ({r} x {r})": lambda: torch.linalg.svdvals(core),
+        f"eigvalsh ({r} x {r})": lambda: torch.linalg.eigvalsh(sym),
+        f"eigh ({r} x {r})": lambda: torch.linalg.eigh(sym),
+    }
+    if device.type == "cuda":
+        for driver in ("gesvdj", "gesvda"):
+            ops[f"svd driver={driver} ({r} x {r})"] = lambda d_=driver: torch.linalg.svd(
+                core, full_matrices=False, driver=d_
+            )
+    return ops
+
+
+def measure_linalg(plan: Plan, device: torch.device) -> list[LinalgResult]:
+    """Each op of ``_linalg_ops`` at the plan's QK shapes' (d, 2 d_h), fp32 and fp64, on
+    ``device`` and on the host (the host only in a dry run)."""
+    host = torch.device("cpu")
+    batch = 32  # GPU_CHUNK_SIZE: the agent's chunk of heads
+    out: list[LinalgResult] = []
+    for d, r in sorted({(q.d, 2 * q.dh) for q in plan.qk}):
+        for dtype in (torch.float32, torch.float64):
+            on_host = _linalg_ops(batch, d, r, dtype, host)
+            on_device = _linalg_ops(batch, d, r, dtype, device) if device.type == "cuda" else {}
+            for name in dict.fromkeys([*on_host, *on_device]):
+                dev_ms = (
+                    _median_ms(on_device[name], device, plan.repeats) if name in on_device else None
+                )
+                host_ms = (
+                    _median_ms(on_host[name], host, plan.repeats) if name in on_host else math.nan
+                )
+                out.append(
+                    LinalgResult(name, batch, str(dtype).removeprefix("torch."), dev_ms, host_ms)
+                )
+            _free(device)
+    return out
+
+
+def render_linalg(r: list[LinalgResult]) -> list[str]:
+    def ms(x: float | None) -> str:
+        return "-" if x is None or math.isnan(x) else f"{x:.2f}"
+
+    rows = [
+        f"The QK path's linear algebra, one call on a batch of 32 heads (the agent's chunk), "
+        f"median; host: this machine's CPU with torch's {torch.get_num_threads()} threads:",
+        "",
+        "| op | batch | dtype | device ms | host ms |",
+        "|---|---|---|---|---|",
+    ]
+    rows += [f"| {x.op} | {x.batch} | {x.dtype} | {ms(x.device_ms)} | {ms(x.host_ms)} |" for x in r]
+    return rows + [""]
+
+
 # ----------------------------------------------------------------------------- 4. syncs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -597,7 +711,7 @@ SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 class SyncResult:
     steps: int  # counted steps per loop (after the warm-up)
     bare: Counter  # (thread, origin) -> synchronizing calls, loop without the agent
-    agent: Counter  # (thread, origin) -> synchronizing calls, loop with the agent
+    agent: dict[str, Counter]  # AGENT_KINDS key -> the same with the agent so configured
     checked: bool  # False on a CPU: there is no device to synchronize with
 
 
@@ -612,9 +726,12 @@ def _origin() -> str:
     return f"{where}:{frame.lineno} ({frame.name})"
 
 
-def _count_syncs(plan: Plan, device: torch.device, steps: int, run_dir: Path | None) -> Counter:
+def _count_syncs(
+    plan: Plan, device: torch.device, steps: int, run_dir: Path | None, kind: str = "default"
+) -> Counter:
     """Synchronizing calls during ``steps`` training steps after ``plan.warmup_steps``
-    uncounted ones, with the agent when ``run_dir`` is given (its close() is not counted)."""
+    uncounted ones, with the agent configured as ``kind`` when ``run_dir`` is given (its
+    close() is not counted)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = Decoder(plan.model).train()
@@ -622,7 +739,9 @@ def _count_syncs(plan: Plan, device: torch.device, steps: int, run_dir: Path | N
     batches = torch.randint(0, plan.model.vocab, (4, plan.model.batch, plan.model.seq + 1))
     batches = batches.to(device)
     agent = (
-        None if run_dir is None else Agent(model, optimizer, config=_agent_config(plan, run_dir))
+        None
+        if run_dir is None
+        else Agent(model, optimizer, config=_agent_config(plan, run_dir, kind))
     )
     counts: Counter = Counter()
     lock = threading.Lock()
@@ -662,8 +781,10 @@ def measure_syncs(plan: Plan, device: torch.device) -> SyncResult:
     with tempfile.TemporaryDirectory(prefix="mechwatch-gpu-sync-") as tmp:
         bare = _count_syncs(plan, device, steps, None)
         _free(device)
-        watched = _count_syncs(plan, device, steps, Path(tmp) / "sync")
-        _free(device)
+        watched = {}
+        for kind in AGENT_KINDS:
+            watched[kind] = _count_syncs(plan, device, steps, Path(tmp) / kind, kind)
+            _free(device)
     return SyncResult(steps, bare, watched, device.type == "cuda")
 
 
@@ -702,27 +823,34 @@ def render_qk_row(r: QKResult) -> str:
 
 def render_step(plan: Plan, r: StepResult) -> list[str]:
     s = plan.model
-    per_step = [1e3 * t / plan.steps for t in (*r.bare_s, *r.agent_s)]
-    return [
+    rows = [
         f"Training step: {r.params / 1e6:.1f}M parameters ({s.layers} layers, d {s.d}, "
         f"{s.heads} heads, MoE in layers {list(s.moe_layers)} with {s.experts} experts top-"
         f"{s.top_k}), vocab {s.vocab}, batch {s.batch} x seq {s.seq}, bf16 autocast, AdamW, "
         f"grad clipping; {r.attention_layers} attention layers and {r.routers} router(s) found by "
-        f"the agent; {plan.steps} steps per run, {plan.runs} runs of each kind alternated "
-        f"(ABBA), median; agent: default monitors and rules (qk.delta {plan.delta}, "
+        f"the agent; {plan.steps} steps per run, {plan.runs} rounds of every kind in rotated "
+        f"order, median; agent: default monitors and rules (qk.delta {plan.delta}, "
         f"router.every {plan.router_every}, symptoms.every {plan.symptoms_every}), detect-only, "
-        "no checkpoints; its close() is inside the timed run:",
+        "no checkpoints; its close() is inside the timed run; 'longest agent.step' is the "
+        "longest call's host time (a wait for a late monitor result shows there):",
         "",
-        "| run | ms / step |",
-        "|---|---|",
-        f"| without the agent | {r.ms_per_step(r.bare_s, plan.steps):.2f} |",
-        f"| with the agent | {r.ms_per_step(r.agent_s, plan.steps):.2f} |",
-        f"| overhead (whole-run wall time) | {100 * r.overhead:+.2f}% |",
-        "",
-        f"Per run (ms / step): without {', '.join(f'{x:.2f}' for x in per_step[: len(r.bare_s)])}; "
-        f"with {', '.join(f'{x:.2f}' for x in per_step[len(r.bare_s) :])}.",
-        "",
+        "| run | ms / step | longest agent.step (ms) |",
+        "|---|---|---|",
+        f"| without the agent | {r.ms_per_step('bare', plan.steps):.2f} | |",
     ]
+    for kind in AGENT_KINDS:
+        label = "with the agent" + ("" if kind == "default" else f", {kind}")
+        rows.append(
+            f"| {label} | {r.ms_per_step(kind, plan.steps):.2f} | {r.longest_ms(kind):.1f} |"
+        )
+    for kind in AGENT_KINDS:
+        label = "overhead (whole-run wall time)" + ("" if kind == "default" else f", {kind}")
+        rows.append(f"| {label} | {100 * r.overhead(kind):+.2f}% | |")
+    per_run = "; ".join(
+        f"{kind} {', '.join(f'{1e3 * t / plan.steps:.2f}' for t in r.seconds(kind))}"
+        for kind in ("bare", *AGENT_KINDS)
+    )
+    return rows + ["", f"Per run (ms / step): {per_run}.", ""]
 
 
 def render_attention(shape: AttentionShape, r: AttentionResult) -> list[str]:
@@ -751,25 +879,30 @@ def render_syncs(plan: Plan, r: SyncResult) -> list[str]:
     if not r.checked:
         return [head, "", "Not counted on a CPU (no device to synchronize with).", ""]
     rows = [head, "", "| loop | thread | where | calls | per step |", "|---|---|---|---|---|"]
-    for label, counts in (("without the agent", r.bare), ("with the agent", r.agent)):
+    loops = {"without the agent": r.bare}
+    loops.update(
+        {"with the agent" + ("" if k == "default" else f", {k}"): c for k, c in r.agent.items()}
+    )
+    for label, counts in loops.items():
         if not counts:
             rows.append(f"| {label} | - | none | 0 | 0 |")
         for (thread, where), n in sorted(counts.items(), key=lambda kv: -kv[1]):
             rows.append(f"| {label} | {thread} | {where} | {n} | {n / r.steps:.2f} |")
-    main_bare = sum(n for (t, _), n in r.bare.items() if t == "MainThread")
-    main_agent = sum(n for (t, _), n in r.agent.items() if t == "MainThread")
+    main = {
+        label: sum(n for (t, _), n in c.items() if t == "MainThread") for label, c in loops.items()
+    }
+    bare = main.pop("without the agent")
+    rows += ["", f"Training thread: {bare} synchronizing calls without the agent."]
     rows += [
-        "",
-        f"Training thread: {main_bare} synchronizing calls without the agent, {main_agent} with "
-        f"it ({(main_agent - main_bare) / r.steps:+.2f} per step from the agent).",
-        "",
+        f"- {label}: {n} ({(n - bare) / r.steps:+.2f} per step from the agent)."
+        for label, n in main.items()
     ]
-    return rows
+    return rows + [""]
 
 
 # ----------------------------------------------------------------------------- main
 
-PARTS = ("qk", "step", "attention", "sync")
+PARTS = ("qk", "step", "attention", "sync", "linalg")
 
 
 def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
@@ -798,6 +931,8 @@ def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
         )
     if "sync" in parts:
         emit(render_syncs(plan, measure_syncs(plan, device)))
+    if "linalg" in parts:
+        emit(render_linalg(measure_linalg(plan, device)))
     return lines
 
 

@@ -33,7 +33,7 @@ def _rows(markdown: str) -> list[list[str]]:
         if not line.startswith("|") or line.startswith("|---"):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cells[0] in ("shape", "run", "kernel"):  # header rows
+        if cells[0] in ("shape", "run", "kernel", "loop", "op"):  # header rows
             continue
         rows.append(cells)
     return rows
@@ -92,6 +92,12 @@ def test_dry_run_has_training_and_attention_rows(dry_run_table: str) -> None:
     # the sync count ran its loops (with and without the agent) and says why it counts nothing
     assert "Host-device synchronizations over 6 training steps" in dry_run_table
     assert "Not counted on a CPU" in dry_run_table
+    # the linear-algebra table: every op timed on the host (the device column is empty)
+    linalg = [
+        r for r in _rows(dry_run_table) if r[0].startswith(("qr ", "gram ", "svdvals", "eig"))
+    ]
+    assert {r[2] for r in linalg} == {"float32", "float64"} and len(linalg) == 10
+    assert all(r[3] == "-" and _number(r[4]) > 0 for r in linalg)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the plain command benchmarks")

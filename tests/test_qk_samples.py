@@ -77,9 +77,12 @@ def test_samples_match_dense_references_and_persistence(d: int, heads: int, dh: 
     assert all(math.isfinite(v) for v in by.values())
 
 
-def test_chunk_size_on_cpu() -> None:
+def test_chunk_size() -> None:
     assert qk_chunk_size(torch.zeros(5, 64, 16)) == 5  # small d: every head in one call
     assert qk_chunk_size(torch.zeros(5, 4096, 128)) == 1  # large d: one head at a time
+    meta = torch.device("meta")  # a non-CPU device without memory: no padding beyond n heads
+    assert qk_chunk_size(torch.zeros(8, 1024, 128, device=meta)) == 8
+    assert qk_chunk_size(torch.zeros(96, 1024, 128, device=meta)) == 32
 
 
 @pytest.mark.parametrize(
