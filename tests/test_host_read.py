@@ -71,9 +71,7 @@ def test_in_flight_reads_arrive_apply_lag_steps_later_with_the_same_values(
     # in flight: each read-out 5 steps later, everything else identical
     loss_later = sorted(k for k, ss in later.items() if any(s.metric == m.LOSS for s in ss))
     assert loss_later == [k + 5 for k in loss_at if k + 5 < STEPS]
-    router_later = sorted(
-        k for k, ss in later.items() if any("router" in s.label_dict for s in ss)
-    )
+    router_later = sorted(k for k, ss in later.items() if any("router" in s.label_dict for s in ss))
     assert router_later == [k + 5 for k in router_at if k + 5 < STEPS]
     a, b = _by_label(now), _by_label(later)
     last = STEPS - 5  # read-outs after this are still in flight at the end of the run
