@@ -23,9 +23,10 @@ class HostRead:
             # pinned (page-locked) memory from torch's caching host allocator: a copy into
             # pageable memory would be synchronous whatever non_blocking says
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()  # on the current stream, behind the copy
+            with torch.cuda.device(values.device):  # the copy's and the event's stream agree
+                host.copy_(values, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()  # on values' device's current stream, behind the copy
             self._host = host
         else:
             self._host = values.detach()
