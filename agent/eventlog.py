@@ -292,6 +292,14 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield lineno, record
 
 
+def last_run(events: list[dict]) -> list[dict]:
+    """The records of the last agent start on: a run directory used again (a job restarted
+    from scratch, or resumed) keeps the earlier runs' records, since the log appends. All of
+    them when no start is recorded."""
+    starts = [i for i, e in enumerate(events) if e.get("kind") == "start"]
+    return events[starts[-1] :] if starts else events
+
+
 def read_events(path: str | Path, kinds: str | tuple[str, ...] | None = None) -> list[dict]:
     """All records of an event log, optionally only those whose ``kind`` is in ``kinds``."""
     if isinstance(kinds, str):

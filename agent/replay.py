@@ -20,7 +20,7 @@ from typing import Any
 
 from agent.attribution import MECHANISM_FAMILIES, Attributor
 from agent.decisions import decide
-from agent.eventlog import read_events
+from agent.eventlog import last_run, read_events
 from agent.incidents import RunContext
 from agent.notify.config import NotifyConfig
 from agent.rules.engine import RuleEngine
@@ -77,8 +77,13 @@ def replay(
     *,
     action_validator: Any | None = None,
 ) -> ReplayResult:
-    """Run the recorded samples of ``events_path`` through ``rule_paths`` (default: shipped)."""
-    events = read_events(Path(events_path))
+    """Run the recorded samples of ``events_path`` through ``rule_paths`` (default: shipped).
+
+    The log is append-only: a run directory used again (a job restarted from scratch, or
+    resumed) holds every agent start in turn. Only the last run is replayed, from its ``start``
+    record on (as ``mechwatch report`` reads it): feeding the earlier runs' samples through the
+    same detectors would mix two runs into one series and fire on the jump between them."""
+    events = last_run(read_events(Path(events_path)))
     paths = list(rule_paths) if rule_paths is not None else default_rule_files()
     ruleset = load_rule_files(paths, action_validator=action_validator)
     engine = RuleEngine(ruleset, SeriesStore())

@@ -14,7 +14,9 @@ a second architecture the rules were never tuned on.
 Scenarios per seed: ``clean``; ``data_shift`` (batches from another HMM from step 1000: a
 benign change); ``lr_x2`` (the whole model's learning rate doubled from step 500, balancing
 loss on: a benign push on every router at once, which the router rule must not take for a
-router fault); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
+router fault); ``lr_x5`` (the same x5: a global push strong enough that it may destabilize the
+routers with everything else; it asks whether a global cause collapses routers, and what the
+rules call it); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
 rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
 through an attention function registered with transformers that runs the test bed's emulated
 arithmetic; nothing else changes);
@@ -48,6 +50,7 @@ SCENARIOS = (
     "clean",
     "data_shift",
     "lr_x2",
+    "lr_x5",
     "fa_floor_3",
     "fa_floor_4",
     "fa_floor_6",
@@ -64,6 +67,8 @@ ROUTER_FAULTS = {
     "combined": 30.0,
     "combined_6": 30.0,
 }
+# The whole model's LR multiplier from FAULT_START (every parameter group).
+GLOBAL_LR = {"lr_x2": 2.0, "lr_x5": 5.0}
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
@@ -192,9 +197,9 @@ def run(
             optimizer.param_groups[1]["lr_mult"] = ROUTER_FAULTS[scenario]
             model.config.router_aux_loss_coef = 0.0
             model.router_aux_loss_coef = 0.0
-        if step == fault_start and scenario == "lr_x2":
+        if step == fault_start and scenario in GLOBAL_LR:
             for group in optimizer.param_groups:
-                group["lr_mult"] = 2.0
+                group["lr_mult"] = GLOBAL_LR[scenario]
         ids = (shifted if scenario == "data_shift" and step >= SHIFT_STEP else data).batch()
         out = model(ids, labels=ids)
         optimizer.zero_grad(set_to_none=True)

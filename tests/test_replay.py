@@ -68,3 +68,21 @@ def test_replay_of_a_quiet_run_has_no_incident(tmp_path: Path) -> None:
     result = replay(events, [rules])
     assert result.first_firing() == {}
     assert result.paged_attribution() is None and result.attribution() is None
+
+
+def test_replay_reads_the_last_run_of_a_reused_log(tmp_path: Path) -> None:
+    """A run directory used again appends a second run to the log: replay reads that run
+    alone (the earlier samples would make one series of two runs and fire on the jump)."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    events = tmp_path / "events.jsonl"
+    _record(events, [0.1, 0.1, 0.1], [2.0, 2.0, 2.0])  # an earlier run: the router low
+    _record(events, [0.9] * 8, [2.0] * 8)  # the run started again: healthy throughout
+    alone = tmp_path / "alone.jsonl"
+    _record(alone, [0.9] * 8, [2.0] * 8)
+
+    result = replay(events, [rules])
+
+    assert result.evaluations == 8
+    assert result.first_firing() == {} and result.incidents == []
+    assert result.evaluations == replay(alone, [rules]).evaluations

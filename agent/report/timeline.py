@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.eventlog import read_events
+from agent.eventlog import last_run, read_events
 
 AVERAGED_LABELS = frozenset({"head", "kv_head", "param"})
 Points = list[tuple[int, float]]  # (step, value), sorted by step
@@ -93,9 +93,7 @@ class RunTimeline:
 
 def read_timeline(events_path: str | Path) -> RunTimeline:
     """The timeline of the last run recorded in ``events_path``."""
-    events = read_events(Path(events_path))
-    starts = [i for i, e in enumerate(events) if e.get("kind") == "start"]
-    return build_timeline(events[starts[-1] :] if starts else events)
+    return build_timeline(last_run(read_events(Path(events_path))))
 
 
 def build_timeline(events: Iterable[dict[str, Any]]) -> RunTimeline:

@@ -18,7 +18,7 @@ import torch
 
 from agent.agent import Agent
 from agent.config import AgentConfig
-from agent.eventlog import read_events
+from agent.eventlog import last_run, read_events
 from agent.testbed.divergence import divergence_step
 from agent.testbed.runner import TestbedRun
 from agent.testbed.scenarios import ScenarioConfig
@@ -161,10 +161,9 @@ def _summarize_events(events: list[dict[str, Any]], agent: Agent, result: Superv
 
 
 def _this_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events from the last agent start on: a run directory used before keeps the earlier
-    runs' events (the event log appends), which must not count for this run."""
-    starts = [i for i, e in enumerate(events) if e.get("kind") == "start"]
-    return events[starts[-1] :] if starts else events
+    """The events from the last agent start on: the earlier runs' events in a run directory
+    used before must not count for this run (``agent.eventlog.last_run``)."""
+    return last_run(events)
 
 
 def default_agent_config(
