@@ -35,7 +35,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -184,9 +184,8 @@ class Measurements:
         new = self._reads_due(step)
         lag = self.config.scheduling.apply_lag
         if step % self.config.symptoms.every == 0:
-            reads = self._guarded("symptoms", self._read_symptoms, [], clear=True)
-            for in_flight, make in reads:
-                new += self._take_or_defer(step, "symptoms", in_flight, make)
+            for read in self._guarded("symptoms", self._read_symptoms, [], clear=True):
+                new += self._take_or_defer(step, "symptoms", read)
         self._hand_over_routers(step)
         if self.router_sites and step % self.config.router.every == 0:
             rows = self._router_rows(step)
@@ -194,7 +193,7 @@ class Measurements:
                 "router probe", lambda: self.router_probe.start_read(step, rows), None
             )
             if read is not None:
-                new += self._take_or_defer(step, "router probe", read.in_flight, read.samples)
+                new += self._take_or_defer(step, "router probe", read)
             for err in self.router_probe.errors:
                 self.report("router probe", err)
             self.router_probe.errors.clear()
@@ -205,16 +204,14 @@ class Measurements:
         new += self._collect_due(step)
         return new
 
-    def _take_or_defer(
-        self, step: int, what: str, in_flight: bool, make: Callable[[], list[Sample]]
-    ) -> list[Sample]:
+    def _take_or_defer(self, step: int, what: str, read: PendingRead) -> list[Sample]:
         """A read-out's samples now, or ``apply_lag`` steps later when its host transfer is in
         flight from a GPU."""
         lag = self.config.scheduling.apply_lag
-        if in_flight and lag > 0:
-            self._reads.append((step + lag, what, make))
+        if read.in_flight and lag > 0:
+            self._reads.append((step + lag, what, read.samples))
             return []
-        return self._guarded(what, make, [])
+        return self._guarded(what, read.samples, [])
 
     def _reads_due(self, step: int) -> list[Sample]:
         out: list[Sample] = []
@@ -266,17 +263,13 @@ class Measurements:
         self._router_handed.clear()
 
     # -- parts ---------------------------------------------------------------------------------
-    def _read_symptoms(self) -> list[tuple[bool, Callable[[], list[Sample]]]]:
-        """The buffered loss and grad norm, one host transfer each started now: (in flight,
-        maker of the samples) per buffer (``_take_or_defer``)."""
+    def _read_symptoms(self) -> list[SymptomRead]:
+        """The buffered loss and grad norm, one host transfer each started now."""
         out = []
         for buffer, metric in ((self._loss, m.LOSS), (self._grad, m.GRAD_NORM)):
-            if not buffer:
-                continue
-            steps = [s for s, _ in buffer]
-            values = _Floats([v for _, v in buffer])  # one host transfer
-            buffer.clear()
-            out.append((values.in_flight, lambda st=steps, v=values, k=metric: _symptoms(st, v, k)))
+            if buffer:
+                out.append(SymptomRead(metric, buffer))
+                buffer.clear()
         return out
 
     def _hand_over_routers(self, step: int) -> None:
@@ -388,12 +381,24 @@ class Measurements:
 _PART = {"symptoms": "read-outs", "router probe": "read-outs", "qk snapshot": "snapshots"}
 
 
-class _Floats:
-    """Scalars (host floats and 0-dim tensors) whose tensors travel in one ``HostRead``."""
+class PendingRead(Protocol):
+    """A read-out whose host transfer was started: its samples, now or once it arrived."""
 
-    def __init__(self, values: list[Scalar]) -> None:
-        self.values = values
-        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    @property
+    def in_flight(self) -> bool: ...
+
+    def samples(self) -> list[Sample]: ...
+
+
+class SymptomRead:
+    """The buffered values of one symptom metric: (step, host float or 0-dim tensor) pairs,
+    whose tensors travel in one ``HostRead``."""
+
+    def __init__(self, metric: str, buffered: list[tuple[int, Scalar]]) -> None:
+        self.metric = metric
+        self.steps = [s for s, _ in buffered]
+        self.values = [v for _, v in buffered]
+        tensors = [v for v in self.values if isinstance(v, torch.Tensor)]
         stacked = torch.stack([t.float().reshape(()) for t in tensors]) if tensors else None
         self.read = None if stacked is None else HostRead(stacked)
 
@@ -401,18 +406,16 @@ class _Floats:
     def in_flight(self) -> bool:
         return self.read is not None and self.read.in_flight
 
-    def tolist(self) -> list[float]:
+    def samples(self) -> list[Sample]:
         host = iter(self.read.tolist() if self.read is not None else [])
-        return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in self.values]
-
-
-def _symptoms(steps: list[int], values: _Floats, metric: str) -> list[Sample]:
-    out = []
-    for s, v in zip(steps, values.tolist(), strict=True):
-        out.append(Sample.make(s, metric, v))
-        if metric == m.LOSS:
-            out.append(Sample.make(s, m.LOSS_NONFINITE, 0.0 if math.isfinite(v) else 1.0))
-    return out
+        out = []
+        for s, v in zip(self.steps, self.values, strict=True):
+            value = next(host) if isinstance(v, torch.Tensor) else float(v)
+            out.append(Sample.make(s, self.metric, value))
+            if self.metric == m.LOSS:
+                nonfinite = 0.0 if math.isfinite(value) else 1.0
+                out.append(Sample.make(s, m.LOSS_NONFINITE, nonfinite))
+        return out
 
 
 def _grad_norm(model: torch.nn.Module) -> torch.Tensor | None:

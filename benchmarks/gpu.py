@@ -520,11 +520,11 @@ def _agent_config(plan: Plan, run_dir: Path, kind: str = "default") -> AgentConf
     )
 
 
-def _timed_run(
-    plan: Plan, device: torch.device, steps: int, run_dir: Path | None, kind: str = "default"
-) -> tuple[StepRun, Decoder, Agent | None]:
-    """``steps`` training steps of a fresh model (seed 0), with the agent configured as
-    ``kind`` when ``run_dir`` is given (its construction is not timed; its close is)."""
+def _training_setup(
+    plan: Plan, device: torch.device, run_dir: Path | None, kind: str
+) -> tuple[Decoder, torch.optim.Optimizer, torch.Tensor, Agent | None]:
+    """A fresh model (seed 0), its AdamW, 4 batches of random tokens (4, B, L + 1), and the
+    agent configured as ``kind`` when ``run_dir`` is given."""
     torch.manual_seed(0)
     shape = plan.model
     with torch.device(device):
@@ -536,6 +536,15 @@ def _timed_run(
         if run_dir is None
         else Agent(model, optimizer, config=_agent_config(plan, run_dir, kind))
     )
+    return model, optimizer, batches, agent
+
+
+def _timed_run(
+    plan: Plan, device: torch.device, steps: int, run_dir: Path | None, kind: str = "default"
+) -> tuple[StepRun, Decoder, Agent | None]:
+    """``steps`` training steps of a fresh model (seed 0), with the agent configured as
+    ``kind`` when ``run_dir`` is given (its construction is not timed; its close is)."""
+    model, optimizer, batches, agent = _training_setup(plan, device, run_dir, kind)
     sync(device)
     t0 = time.perf_counter()
     step, longest = 0, 0.0
@@ -732,17 +741,7 @@ def _count_syncs(
     """Synchronizing calls during ``steps`` training steps after ``plan.warmup_steps``
     uncounted ones, with the agent configured as ``kind`` when ``run_dir`` is given (its
     close() is not counted)."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Decoder(plan.model).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    batches = torch.randint(0, plan.model.vocab, (4, plan.model.batch, plan.model.seq + 1))
-    batches = batches.to(device)
-    agent = (
-        None
-        if run_dir is None
-        else Agent(model, optimizer, config=_agent_config(plan, run_dir, kind))
-    )
+    model, optimizer, batches, agent = _training_setup(plan, device, run_dir, kind)
     counts: Counter = Counter()
     lock = threading.Lock()
 

@@ -66,8 +66,9 @@ def test_combined_fault_is_attributed_to_combined(tmp_path):
 
 
 def test_a_reused_run_directory_reports_only_the_latest_run(tmp_path):
-    """The event log appends; run_supervised summarizes from the last agent start on."""
-    from agent.testbed.supervised import _this_run
+    """The event log appends; run_supervised summarizes from the last agent start on
+    (``agent.eventlog.last_run``)."""
+    from agent.eventlog import last_run as _this_run
 
     earlier = [{"kind": "start"}, {"kind": "action", "action": "rollback"}, {"kind": "stop"}]
     latest = [{"kind": "start"}, {"kind": "alert", "rule": "r"}, {"kind": "stop"}]

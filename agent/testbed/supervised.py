@@ -120,7 +120,7 @@ def run_supervised(
     finally:
         agent.close()
         attention_precision.load_state_dict(_NO_FP32)
-    events = _this_run(read_events(Path(agent_config.run_dir) / "events.jsonl"))
+    events = last_run(read_events(Path(agent_config.run_dir) / "events.jsonl"))
     ordered = [losses[s] for s in sorted(losses)]
     result = SupervisedResult(
         scenario=scenario.scenario,
@@ -158,12 +158,6 @@ def _summarize_events(events: list[dict[str, Any]], agent: Agent, result: Superv
                     for k in ("step", "action", "status", "detail", "dry_run", "rule", "follow_up")
                 }
             )
-
-
-def _this_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events from the last agent start on: the earlier runs' events in a run directory
-    used before must not count for this run (``agent.eventlog.last_run``)."""
-    return last_run(events)
 
 
 def default_agent_config(
