@@ -31,6 +31,14 @@ from agent.samples import Sample
 # Running sums kept per router (``ROUTING_SUM_FIELDS``): entropy mean, normalized entropy, p10,
 # margin, number of forwards counted.
 _ROUTER_SUMS = len(ROUTING_SUM_FIELDS)
+# A router's weight statistics (``RouterProbe.weight_stats``): the conditioning ratio, the expert
+# similarity, the relative update of the router and that of its MoE block's other weights.
+WEIGHT_STATS = 4
+# Columns of the fixed Gaussian sketch G [n, K] through which a block weight W [m, n] is
+# remembered between read-outs (W G, K per row, not W): ||(W - W') G||_F^2 estimates
+# K ||W - W'||_F^2 with a relative error of about sqrt(2 / (K m)) (JL), at K / n of the memory.
+_SKETCH_COLUMNS = 8
+_SKETCH_SEED = 20261204
 
 
 class RouterProbe:
@@ -73,6 +81,10 @@ class RouterProbe:
         # Each router's weight (E, d) at its last ``weight_stats``, in the work dtype: the
         # start of the next read-out's update (None: none yet, or the run restarted).
         self._previous: list[torch.Tensor | None] = [None] * len(sites)
+        # Each router's block weights at its last ``weight_stats``, sketched (W G, [m, K] each):
+        # the start of the next read-out's block update (None: none yet, or restarted).
+        self._block_previous: list[list[torch.Tensor] | None] = [None] * len(sites)
+        self._sketches: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self.errors: list[str] = []
 
     def attach(self) -> None:
@@ -185,14 +197,18 @@ class RouterProbe:
         for buffer in self._buffers:
             buffer.reset()
         self._previous = [None] * len(self.sites)
+        self._block_previous = [None] * len(self.sites)
 
     def weight_stats(self, index: int) -> torch.Tensor:
-        """(3,) on the device: the conditioning ratio, the expert similarity and the relative
-        update of router ``index``'s weight as it is now (the whole [E, d] weight)."""
+        """(WEIGHT_STATS,) on the device: the conditioning ratio, the expert similarity and the
+        relative update of router ``index``'s weight as it is now (the whole [E, d] weight),
+        then the relative update of its MoE block's other weights (``_block_update_rel_norm``)."""
         weight = self.sites[index].weight().detach()
         eps = router_conditioning_ratio(weight).reshape(1)
         sim = router_similarity(weight).reshape(1)
-        return torch.cat([eps, sim, self._update_rel_norm(index, weight).to(eps.dtype)])
+        update = self._update_rel_norm(index, weight).to(eps.dtype)
+        block = self._block_update_rel_norm(index, eps)
+        return torch.cat([eps, sim, update, block])
 
     def _update_rel_norm(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """(1,) ||W - W_prev||_F / ||W||_F since the router's last ``weight_stats`` (one
@@ -208,6 +224,47 @@ class RouterProbe:
         previous.copy_(w)
         rel = moved / torch.where(norm > 0, norm, torch.ones_like(norm))
         return torch.where(norm > 0, rel, torch.full_like(rel, math.nan)).reshape(1)
+
+    def _block_update_rel_norm(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """(1,) like ``like``: ||B - B_prev||_F / ||B||_F over the MoE block's other weights B
+        (``RouterSite.block_weights``, all of them as one vector) since the last call, from
+        their sketches W G; NaN the first time, without a block, or when it cannot be measured
+        (a weight not held whole on this rank: named in ``errors``)."""
+        nan = torch.full((1,), math.nan, dtype=like.dtype, device=like.device)
+        try:
+            weights = self.sites[index].block_weights()
+            if not weights:
+                return nan
+            sketches = [self._sketch(w.detach()) for w in weights]  # [m, K] float32+ each
+        except Exception as exc:  # a sharded or odd block weight: no block update, no crash
+            self._block_previous[index] = None
+            if len(self.errors) < 10:
+                self.errors.append(f"router probe {self.sites[index].name} block: {exc!r}")
+            return nan
+        previous = self._block_previous[index]
+        self._block_previous[index] = sketches
+        if previous is None or [p.shape for p in previous] != [s.shape for s in sketches]:
+            return nan
+        pairs = zip(sketches, previous, strict=True)
+        moved = sum(torch.sum((s - p.to(s.device)) ** 2) for s, p in pairs)
+        norm = sum(torch.sum(s**2) for s in sketches)
+        rel = torch.sqrt(moved / torch.where(norm > 0, norm, torch.ones_like(norm)))
+        rel = torch.where(norm > 0, rel, torch.full_like(rel, math.nan))
+        return rel.reshape(1).to(like.dtype).to(like.device)
+
+    def _sketch(self, weight: torch.Tensor) -> torch.Tensor:
+        """W G for ``weight`` viewed as [m, n] (its last dimension n): [m, K], float32 or
+        float64. G is a fixed Gaussian [n, K] per (n, dtype, device), the same every call."""
+        n = weight.shape[-1]
+        key = (n, weight.dtype, weight.device)
+        g = self._sketches.get(key)
+        if g is None:
+            generator = torch.Generator().manual_seed(_SKETCH_SEED + n)
+            g = torch.randn(n, _SKETCH_COLUMNS, generator=generator, dtype=torch.float64)
+            g = g.to(device=weight.device, dtype=weight.dtype)
+            self._sketches[key] = g
+        out = weight.reshape(-1, n) @ g  # [m, K] in the weight's dtype
+        return out.to(torch.float64 if weight.dtype == torch.float64 else torch.float32)
 
     def capture_weight_stats(self, index: int, step: int) -> None:
         """Compute ``weight_stats(index)`` in the next training forward, where a sharded
@@ -292,7 +349,8 @@ class RouterRead:
         for site, n in zip(self.sites, self.lengths, strict=True):
             values = flat[start : start + n]
             start += n
-            out += router_samples(self.step, site, values[:-3], (self.step, *values[-3:]))
+            stats = (self.step, *values[-WEIGHT_STATS:])
+            out += router_samples(self.step, site, values[:-WEIGHT_STATS], stats)
         return out
 
 
@@ -310,12 +368,12 @@ def router_samples(
     step: int,
     site: RouterSite,
     sums: list[float],
-    stats: tuple[int, float, float, float] | None,
+    stats: tuple[int, float, float, float, float] | None,
 ) -> list[Sample]:
     """One router's samples at read-out ``step`` from its sums (``RouterProbe.take``: the
     running sums, then the summed load) and its weight stats ``(step, eps, similarity,
-    relative update)`` (None: none this time; a NaN update: none yet); nothing when no
-    forward was counted."""
+    relative update, block's relative update)`` (None: none this time; a NaN update: none
+    yet); nothing when no forward was counted."""
     n = sums[_ROUTER_SUMS - 1]
     if n <= 0:
         return []
@@ -333,11 +391,15 @@ def router_samples(
         Sample.make(step, m.ROUTER_DEAD_EXPERTS, sum(1 for x in load if x == 0), **lab),
     ]
     if stats is not None:
-        at, eps, sim, update = stats
+        at, eps, sim, update, block = stats
         out += [
             Sample.make(at, m.ROUTER_EPS, eps, **lab),
             Sample.make(at, m.ROUTER_SIMILARITY, sim, **lab),
         ]
         if math.isfinite(update):
             out.append(Sample.make(at, m.ROUTER_UPDATE_REL_NORM, update, **lab))
+        if math.isfinite(block):
+            out.append(Sample.make(at, m.ROUTER_BLOCK_UPDATE_REL_NORM, block, **lab))
+            if math.isfinite(update) and block > 0:
+                out.append(Sample.make(at, m.ROUTER_UPDATE_RATIO, update / block, **lab))
     return out

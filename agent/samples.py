@@ -34,6 +34,11 @@ ROUTER_MARGIN = "router_margin"  # mean top-1 minus top-2 probability
 ROUTER_DEAD_EXPERTS = "router_dead_experts"  # experts that received no token
 # ||W - W_prev||_F / ||W||_F of the router weight over one read-out (router.every steps)
 ROUTER_UPDATE_REL_NORM = "router_update_rel_norm"
+# the same over the router's MoE block's other weights (experts: from fixed sketches W G)
+ROUTER_BLOCK_UPDATE_REL_NORM = "router_block_update_rel_norm"
+# router_update_rel_norm / router_block_update_rel_norm: how much faster the router moves than
+# the weights around it (a push on the router alone raises it; one on the whole model does not)
+ROUTER_UPDATE_RATIO = "router_update_ratio"
 LOSS = "loss"
 LOSS_NONFINITE = "loss_nonfinite"  # 1.0 when the loss is NaN or inf, else 0.0
 GRAD_NORM = "grad_norm"

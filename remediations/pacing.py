@@ -16,6 +16,8 @@ Limits, per action name (real runs and dry runs counted apart), on the clock:
 
 - ``cooldown``: steps after a run before the action may run again. A request that waits for
   it is reported once (``wait``) and runs when the cooldown is over, if its rule still fires.
+  Within one round, an action admitted to run for one rule counts as run for the next rule
+  that asks for it (two rules firing together cut the LR once, roll back once).
 - ``max_per_window`` runs within the last ``window_steps`` steps: beyond it the request is
   dropped (``skip``), or, with ``on_limit: escalate``, the run is paged and halted
   (``escalate``). The rollback loop guard is this cap on ``rollback`` (2 per 5000 steps,
@@ -190,21 +192,31 @@ class Pacing:
         for key in [k for k, e in self._episodes.items() if k not in asked]:
             del self._episodes[key]  # the rule stopped firing: the episode is over
         out: list[Admission] = []
+        admitted: set[tuple[str, bool]] = set()  # (action, dry run) admitted to run this round
         for key, request in asked.items():
             episode = self._episodes.get(key)
             if episode is None or episode.request.incident_id != incident_id:
                 dry = self._dry_run_of(request.action) or self.limits(request)[0].dry_run
                 episode = self._episodes[key] = _Episode(request, dry)
             if not episode.done:
-                admission = self._admit(episode, now)
+                admission = self._admit(episode, now, admitted)
                 if admission is not None:
                     out.append(admission)
+                    if admission.verdict == "run":
+                        admitted.add((request.action, episode.dry_run))
         return out
 
-    def _admit(self, episode: _Episode, now: int) -> Admission | None:
+    def _admit(
+        self, episode: _Episode, now: int, admitted: set[tuple[str, bool]]
+    ) -> Admission | None:
+        """The verdict on an episode's request now. An action another rule was admitted to run
+        in this round counts as run now (two rules firing together run a fix once: the later
+        one waits for its cooldown like after any run)."""
         request, dry = episode.request, episode.dry_run
         limits, _ = self.limits(request)
         runs = self._history.get((request.action, dry), [])
+        if (request.action, dry) in admitted:
+            runs = [*runs, now]
         if runs and now - runs[-1] < limits.cooldown:
             if episode.told_waiting:
                 return None

@@ -151,3 +151,22 @@ def test_a_new_incident_starts_new_episodes(incident):
     pacing.ran(first[0], ok=True)
     again = pacing.round(10, firing, incident)
     assert [a.verdict for a in again] == ([] if incident == "inc-1" else ["run"])
+
+
+def test_two_rules_asking_the_same_fix_in_one_round_run_it_once():
+    """Two rules that fire together (the router rule and its hard-push twin) both ask for
+    lower_lr: the first runs it, the second waits for the cooldown as after any run; while both
+    fire, the fix repeats once per cooldown, not twice. A different action is not held up."""
+    pacing = _pacing(cooldown=30, max_per_window=100)
+    both = [("r", [("lower_lr", {"factor": 0.1})]), ("s", [("lower_lr", {"factor": 0.1})])]
+    got = []
+    for step in range(0, 50, 5):
+        for admission in pacing.round(step, both, "inc-1"):
+            got.append((step, admission.request.rule, admission.verdict))
+            if admission.verdict == "run":
+                pacing.ran(admission, ok=True)
+    assert got == [(0, "r", "run"), (0, "s", "wait"), (30, "r", "run")]
+    other = [("r", [("lower_lr", {})]), ("s", [("rollback", {})])]
+    fresh = _pacing(cooldown=30, max_per_window=100)
+    verdicts = [(a.request.action, a.verdict) for a in fresh.round(0, other, "inc-1")]
+    assert verdicts == [("lower_lr", "run"), ("rollback", "run")]

@@ -213,3 +213,50 @@ def test_the_relative_update_is_the_weights_move_between_read_outs(dtype: torch.
     assert read_out(100) == []  # a restart: no update across it
     assert read_out(125) == [pytest.approx(0.0, abs=tol)]
     probe.detach()
+
+
+def test_the_block_update_is_the_experts_move_and_the_ratio_compares_the_router_with_it() -> None:
+    """router_block_update_rel_norm: ||B_t - B_prev|| / ||B_t|| over the MoE block's weights
+    other than the router's (the experts), from fixed Gaussian sketches: exact for a move along
+    the weights themselves (a sketch is linear), close to the dense value for a random move;
+    router_update_ratio = the router's relative update / the block's."""
+
+    class Routed(Model):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp.gate(x)
+
+    model = Routed("plain").double()
+    (site,) = find_routers(model)
+    assert site.block is model.mlp and site.block_name == "mlp"
+    experts = [p for p in model.mlp.experts.parameters() if p.dim() == 2]
+    assert [id(p) for p in site.block_weights()] == [id(p) for p in experts]  # not the gate's
+    probe = RouterProbe([site])
+    probe.attach()
+    x = torch.randn(2, T // 2, D, dtype=torch.float64)
+
+    def read_out(step: int) -> dict[str, list[float]]:
+        model(x)
+        samples = probe.read(step=step)
+        names = (m.ROUTER_UPDATE_REL_NORM, m.ROUTER_BLOCK_UPDATE_REL_NORM, m.ROUTER_UPDATE_RATIO)
+        return {name: _values(samples, name) for name in names}
+
+    assert all(v == [] for v in read_out(25).values())  # nothing to compare with yet
+    with torch.no_grad():
+        for p in experts:
+            p.mul_(1.25)  # the block moved by 0.25 / 1.25 of itself, exactly
+        model.mlp.gate.weight.mul_(1.5)  # the router by 0.5 / 1.5
+    got = read_out(50)
+    assert got[m.ROUTER_BLOCK_UPDATE_REL_NORM] == [pytest.approx(0.2, rel=1e-9)]
+    assert got[m.ROUTER_UPDATE_RATIO] == [pytest.approx((1 / 3) / 0.2, rel=1e-9)]
+
+    before = torch.cat([p.detach().flatten() for p in experts]).clone()
+    with torch.no_grad():
+        for p in experts:
+            p.add_(torch.randn_like(p) * 0.05)
+    after = torch.cat([p.detach().flatten() for p in experts])
+    want = float((after - before).norm() / after.norm())
+    got = read_out(75)
+    (block,) = got[m.ROUTER_BLOCK_UPDATE_REL_NORM]
+    assert block == pytest.approx(want, rel=0.3)  # a sketch of 8 columns: an estimate
+    assert got[m.ROUTER_UPDATE_RATIO] == [0.0]  # the router did not move
+    probe.detach()

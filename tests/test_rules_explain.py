@@ -122,9 +122,9 @@ def test_shipped_rule_and_unknown_names(capsys):
     assert main(["explain", "routing_entropy_collapse", "routing_entropy_colapse"]) == 1
     out, err = capsys.readouterr()
     out = " ".join(_rows(out))
-    assert "log_cusum: fires when the value keeps falling faster than 10% per evaluation" in out
+    assert "log_cusum: fires when the value keeps falling faster than 5% per evaluation" in out
     assert (
-        "and only while router_update_rel_norm (the same series selection, the median over "
+        "and only while router_update_ratio (the same series selection, the median over "
         "router at each step; the labels it keeps must agree with the alert's) triggered "
         "baseline within the last 50 steps: fires when the value rises by more than 100% of "
         "the baseline" in out

@@ -13,6 +13,7 @@ import inspect
 import re
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +77,7 @@ def find_routers(model: nn.Module, overrides: DiscoveryOverrides | None = None) 
                 weight_name=param_names[id(weight)],
                 owner=None if owner_name is None else modules[owner_name],
                 owner_name=owner_name,
+                **_block_of(block, modules),
             )
         )
     if mismatched:
@@ -125,7 +127,16 @@ def _override_router(
         param_names[id(weight)],
         owner=None if owner_name is None else modules[owner_name],
         owner_name=owner_name,
+        **_block_of(_router_context(name, modules)[1], modules),
     )
+
+
+def _block_of(block: nn.Module | None, modules: Mapping[str, nn.Module]) -> dict[str, Any]:
+    """``RouterSite``'s ``block`` and ``block_name`` for the MoE block ``block`` (or none)."""
+    if block is None:
+        return {}
+    name = next((n for n, m in modules.items() if m is block), None)
+    return {"block": block, "block_name": name}
 
 
 def functional_owner(name: str, modules: Mapping[str, nn.Module]) -> str | None:

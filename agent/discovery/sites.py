@@ -198,10 +198,23 @@ class RouterSite:
     weight_name: str  # qualified parameter name of the [E, d] weight
     owner: nn.Module | None = field(default=None, compare=False, repr=False)
     owner_name: str | None = None  # name of ``owner``
+    # The MoE block that holds the router and its experts (None: none found): the router's
+    # push is measured against the block's other weights (``block_weights``).
+    block: nn.Module | None = field(default=None, compare=False, repr=False)
+    block_name: str | None = None  # name of ``block``
 
     def weight(self) -> torch.Tensor:
         """The live router weight [E, d]."""
         return self.module.weight
+
+    def block_weights(self) -> list[torch.Tensor]:
+        """The live weights of the MoE block other than the router's own: every parameter of
+        ``block`` with at least 2 dimensions (experts, shared experts), in module order; none
+        without a block."""
+        if self.block is None:
+            return []
+        own = {id(p) for m in (self.module, self.owner) if m is not None for p in m.parameters()}
+        return [p for p in self.block.parameters() if p.dim() >= 2 and id(p) not in own]
 
     def bias(self) -> torch.Tensor | None:
         """The live logit bias [E] (an ``nn.Linear`` gate with bias), else None."""

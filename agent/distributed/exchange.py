@@ -38,7 +38,7 @@ import torch
 
 from agent import samples as m
 from agent.discovery import RouterSite
-from agent.router_probe import router_samples
+from agent.router_probe import WEIGHT_STATS, router_samples
 from agent.samples import Sample
 from agent.step_inputs import Scalar
 
@@ -60,7 +60,7 @@ class Layout:
     routers: bool  # router read-out due at this step
 
     def router_width(self, j: int) -> int:
-        return ROUTER_SUMS + self.experts[j] + 4
+        return ROUTER_SUMS + self.experts[j] + WEIGHT_STATS + 1  # sums, load, stats, step
 
     @property
     def symptoms_at(self) -> int:
@@ -199,10 +199,11 @@ def _routers(rows: list[list[float]], layout: Layout, routers: list[RouterSite])
     at = layout.routers_at
     for j, site in enumerate(routers):
         width = layout.router_width(j)
-        sums = [sum(row[at + i] for row in ok) for i in range(width - 4)]
+        stats_at = width - 1 - WEIGHT_STATS
+        sums = [sum(row[at + i] for row in ok) for i in range(stats_at)]
         stats = next(
             (
-                (int(row[at + width - 1]), *row[at + width - 4 : at + width - 1])
+                (int(row[at + width - 1]), *row[at + stats_at : at + width - 1])
                 for row in ok
                 if row[at + width - 1] >= 0
             ),

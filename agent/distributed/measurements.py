@@ -50,6 +50,7 @@ from agent.distributed.snapshots import ShardedQKSnapshots, expand_job
 from agent.distributed.world import World
 from agent.measurements import Measurements
 from agent.probes import QKJob, QKSnapshots, compute_qk_samples
+from agent.router_probe import WEIGHT_STATS
 from agent.samples import Sample
 from agent.step_inputs import Scalar
 
@@ -195,7 +196,8 @@ class DistributedMeasurements(Measurements):
             if stats is None:
                 out.append((at + width - 1, -1.0))
             else:
-                out += [(at + width - 4, stats[1]), (at + width - 1, float(stats[0]))]
+                stats_at = at + width - 1 - WEIGHT_STATS
+                out += [(stats_at, stats[1]), (at + width - 1, float(stats[0]))]
             at += width
         return out
 

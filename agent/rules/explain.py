@@ -62,6 +62,8 @@ KNOWN_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
                 "margin",
                 "dead_experts",
                 "update_rel_norm",
+                "block_update_rel_norm",
+                "update_ratio",
             )
         ),
         (("router",), _ROUTER),
