@@ -1,6 +1,7 @@
 """The pictures of docs/detection.md, from runs recorded by ``benchmarks/detection.py record``.
 
     python benchmarks/detection_figures.py [--root out/detection] [--seed 0] [--out docs/img]
+    python benchmarks/detection_figures.py --only-persistence --persistence-root out/e4
 
 Each panel shows the series the shipped rules watch (the same samples the agent measured), the
 step at which a rule fired (replayed through the shipped packs) and, for contrast, when the
@@ -13,6 +14,8 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -131,39 +134,92 @@ def _push_ratio(steps: list[int], values: list[float], window: int = 8) -> list[
     return out
 
 
-def router_push_panel(cases: list[tuple[Path, str, str]], out: Path) -> Path:
-    """Routing entropy (top) and the router's update against its recent median (bottom) for
-    ``cases`` (folder, router, label): a router that sharpens on its own and one that is pushed."""
+@dataclass(frozen=True)
+class GatePicture:
+    """A two-row picture: a rule's signal (top, log scale) and the second signal the rule
+    ``requires`` (bottom, with its bar), per case (folder, label value, legend)."""
+
+    key: str  # the label that names a series: router | layer
+    signal: str  # the top row's metric
+    gate: Callable[[Path, str], tuple[list[int], list[float]]]  # the bottom row's series
+    family: str  # whose first alert is marked (dashed)
+    top_label: str
+    bottom_label: str
+    bar: float
+    bar_label: str
+    xlabel: str
+    xlim: tuple[int, int]
+    file: str
+
+
+def gate_picture(cases: list[tuple[Path, str, str]], spec: GatePicture, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for folder, router, label in cases:
-        steps, values = layer_series(folder, "router_entropy_norm", "router")[router]
+    for folder, name, label in cases:
+        steps, values = layer_series(folder, spec.signal, spec.key)[name]
         (line,) = top.plot(steps, values, lw=1.2, label=label)
-        u_steps, u = layer_series(folder, "router_update_rel_norm", "router")[router]
-        keep = [i for i, st in enumerate(u_steps) if st >= 200]
-        ratio = _push_ratio([u_steps[i] for i in keep], [u[i] for i in keep])
-        bottom.plot([u_steps[i] for i in keep], ratio, lw=1.2, color=line.get_color())
-        alert = first_alert(folder, "router_instability")
+        bottom.plot(*spec.gate(folder, name), lw=1.1, color=line.get_color())
+        alert = first_alert(folder, spec.family)
         if alert is not None:
             for ax in (top, bottom):
                 ax.axvline(alert, color=line.get_color(), ls="--", lw=1)
     top.set_yscale("log")
-    top.set_ylabel("routing entropy / ln E (log)")
+    top.set_ylabel(spec.top_label)
     top.legend(fontsize=7)
-    bottom.axhline(2.0, color="0.4", ls=":", lw=1, label="the rule requires x2")
-    bottom.set_ylabel("router update / its median\nof the 8 read-outs before")
-    bottom.set_xlabel("step (dashed: the router rule fired)")
+    bottom.axhline(spec.bar, color="0.4", ls=":", lw=1, label=spec.bar_label)
+    bottom.set_ylabel(spec.bottom_label)
+    bottom.set_xlabel(spec.xlabel)
     bottom.legend(fontsize=7)
-    bottom.set_xlim(200, 2000)
+    bottom.set_xlim(*spec.xlim)
     fig.tight_layout()
-    path = out / "detection_router_push.png"
+    path = out / spec.file
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def _router_push(folder: Path, router: str) -> tuple[list[int], list[float]]:
+    u_steps, u = layer_series(folder, "router_update_rel_norm", "router")[router]
+    keep = [i for i, st in enumerate(u_steps) if st >= 200]
+    return [u_steps[i] for i in keep], _push_ratio([u_steps[i] for i in keep], [u[i] for i in keep])
+
+
+# Routing entropy and the router's update against its recent median: a router that sharpens on
+# its own and one that is pushed.
+ROUTER_PUSH = GatePicture(
+    key="router",
+    signal="router_entropy_norm",
+    gate=_router_push,
+    family="router_instability",
+    top_label="routing entropy / ln E (log)",
+    bottom_label="router update / its median\nof the 8 read-outs before",
+    bar=2.0,
+    bar_label="the rule requires x2",
+    xlabel="step (dashed: the router rule fired)",
+    xlim=(200, 2000),
+    file="detection_router_push.png",
+)
+
+# H(Delta_2) and the persistence of its top direction (head means of one layer): a healthy QK
+# phase transition turns its direction, a biased backward holds it (the QK rule's `requires`), a
+# fault whose direction wanders is left to the deep rule.
+PERSISTENCE = GatePicture(
+    key="layer",
+    signal="qk_delta2_entropy",
+    gate=lambda folder, layer: layer_series(folder, "qk_delta2_persistence", "layer")[layer],
+    family="fa_precision",
+    top_label="H(Delta_2), head mean (nats, log)",
+    bottom_label="|cos| of Delta_2's top direction\nbetween two evaluations",
+    bar=0.9,
+    bar_label="the QK rule requires > 0.9",
+    xlabel="step (dashed: fa_precision alert, the shipped rules)",
+    xlim=(300, 2000),
+    file="detection_persistence.png",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,11 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--hf-root", type=Path, default=None, help="benchmarks/detection_hf.py runs (seed 7)"
     )
+    p.add_argument(
+        "--persistence-root",
+        type=Path,
+        default=None,
+        help="runs with big_model, fa_big_model and fa_dQK_6 of --persistence-seed",
+    )
+    p.add_argument("--persistence-seed", type=int, default=113)
+    p.add_argument("--only-persistence", action="store_true", help="draw that picture alone")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    print(fa_panels(args.root, args.seed, args.out))
-    print(router_panel(args.root, args.seed, args.out))
-    if args.hf_root is not None:
+    if not args.only_persistence:
+        print(fa_panels(args.root, args.seed, args.out))
+        print(router_panel(args.root, args.seed, args.out))
+    if args.hf_root is not None and not args.only_persistence:
         cases = [
             (args.hf_root / "hf_clean_s7", "model.layers.2.mlp.gate", "HF Mixtral, healthy"),
             (
@@ -188,7 +253,19 @@ def main(argv: list[str] | None = None) -> int:
             ),
             (args.root / f"router_x3_s{args.seed}", "blocks.0.moe.gate", "test bed, router LR x3"),
         ]
-        print(router_push_panel(cases, args.out))
+        print(gate_picture(cases, ROUTER_PUSH, args.out))
+    if args.persistence_root is not None:
+        root, seed = args.persistence_root, args.persistence_seed
+        cases = [
+            (root / f"big_model_s{seed}", "blocks.0.attn", "bigger model, healthy (layer 0)"),
+            (
+                root / f"fa_big_model_s{seed}",
+                "blocks.1.attn",
+                "bigger model, dS floor 6 bits from 500 (layer 1)",
+            ),
+            (root / f"fa_dQK_6_s{seed}", "blocks.0.attn", "dQ / dK floor 6 bits (layer 0)"),
+        ]
+        print(gate_picture(cases, PERSISTENCE, args.out))
     return 0
 
 
