@@ -173,7 +173,10 @@ def _fmt(x: Any) -> str:
     return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
-def report(roots: list[Path], seeds: list[int], rules: list[Path] | None) -> str:
+def rows_of(
+    roots: list[Path], seeds: list[int], rules: list[Path] | None
+) -> tuple[float, list[str], list[dict[str, Any]]]:
+    """The envelope, where it came from, and one row per harmful FA run with a recorded twin."""
     benign = [e for e in CATALOG if e.group == "benign" and e.name not in CONTROLS]
     limit, sources = envelope(roots, seeds)
     rows = [
@@ -184,6 +187,10 @@ def report(roots: list[Path], seeds: list[int], rules: list[Path] | None) -> str
         if entry.group in ("fa", "sweep")
         and (row := evaluate(root, entry, seed, benign, limit, rules)) is not None
     ]
+    return limit, sources, rows
+
+
+def report(limit: float, sources: list[str], rows: list[dict[str, Any]]) -> str:
     columns = list(rows[0]) if rows else []
     lines = [
         f"Envelope (deepest fall of a control run's head mean below its clean twin, any layer, "
@@ -236,14 +243,50 @@ def _range(values: list[float]) -> str:
     return f"{min(values)} to {max(values)}" if values else "-"
 
 
+def figure(rows: list[dict[str, Any]], path: Path) -> Path:
+    """One line per run, steps after the fault: the oracle's separation, the rules' first
+    alert and the first loss detector."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(rows, key=lambda r: (r["run"].split(" s")[0], r["run"]))
+    fig, ax = plt.subplots(figsize=(8, 0.17 * len(ordered) + 1.2))
+    marks = (
+        ("separation", "o", "tab:green", "oracle: below the clean twin beyond the envelope"),
+        ("alert", "^", "tab:red", "shipped rules: first fa_precision alert"),
+        ("loss_alarm", "x", "black", "first loss detector"),
+    )
+    for y, row in enumerate(ordered):
+        ends = [row[k] - row["fault"] for k, *_ in marks if row[k] is not None]
+        ax.plot([0, max(ends)], [y, y], color="0.85", lw=1, zorder=0)
+    for key, marker, color, label in marks:
+        points = [(row[key] - row["fault"], y) for y, row in enumerate(ordered) if row[key]]
+        ax.scatter(*zip(*points, strict=True), marker=marker, color=color, s=22, label=label)
+    ax.set_yticks(range(len(ordered)), [r["run"] for r in ordered], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("steps after the fault began")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("How early could a detector on H(Delta_2) see the fault?", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, nargs="+", required=True)
     p.add_argument("--seeds", type=int, nargs="+", required=True)
     p.add_argument("--rules", type=Path, nargs="+", default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--figure", type=Path, default=None, help="draw the runs into this PNG")
     args = p.parse_args(argv)
-    text = report(args.root, args.seeds, args.rules)
+    limit, sources, rows = rows_of(args.root, args.seeds, args.rules)
+    text = report(limit, sources, rows)
+    if args.figure:
+        print(f"figure: {figure(rows, args.figure)}")
     text = "\n".join([text, "", *provenance()])
     print(text)
     if args.out:
