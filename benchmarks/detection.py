@@ -46,8 +46,8 @@ def seeds_of(spec: list[str]) -> list[int]:
 
 
 # -- recording -----------------------------------------------------------------------------------
-def _record_agent_run(job: tuple[str, int, str]) -> str:
-    name, seed, root = job
+def _record_agent_run(job: tuple) -> str:
+    name, seed, root, qk_delta = (*job, None)[:4]  # (name, seed, root[, qk.delta])
     from agent.testbed.supervised import default_agent_config, run_supervised, set_threads
 
     set_threads(1)
@@ -56,7 +56,10 @@ def _record_agent_run(job: tuple[str, int, str]) -> str:
     if result_file.exists():
         return f"{name} s{seed}: kept"
     config = BY_NAME[name].config(seed)
-    agent_config = default_agent_config(folder, remediate=False, checkpoints={"enabled": False})
+    cadence = {} if qk_delta is None else {"qk": {"delta": qk_delta}}
+    agent_config = default_agent_config(
+        folder, remediate=False, checkpoints={"enabled": False}, **cadence
+    )
     t0 = time.perf_counter()
     result = run_supervised(config, agent_config)
     out = result.to_dict()
@@ -83,8 +86,10 @@ def _record_twin(job: tuple[str, int, str]) -> str:
     return f"twin of {name} s{seed}: recorded"
 
 
-def record(root: Path, names: list[str], seeds: list[int], workers: int) -> None:
-    jobs = [(_record_agent_run, (n, s, str(root))) for s in seeds for n in names]
+def record(
+    root: Path, names: list[str], seeds: list[int], workers: int, qk_delta: int | None = None
+) -> None:
+    jobs = [(_record_agent_run, (n, s, str(root), qk_delta)) for s in seeds for n in names]
     jobs += [
         (_record_twin, (n, s, str(root)))
         for s in seeds
@@ -113,10 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rules", type=Path, nargs="+", default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--qk-delta",
+        type=int,
+        default=None,
+        help="record with this QK cadence (qk.delta, steps) instead of the default",
+    )
     args = p.parse_args(argv)
     names = args.names or [e.name for e in CATALOG if e.group in args.groups]
     if args.command == "record":
-        record(args.root, names, seeds_of(args.seeds or ["all"]), args.workers)
+        record(args.root, names, seeds_of(args.seeds or ["all"]), args.workers, args.qk_delta)
         return 0
     from detection_report import report
 
