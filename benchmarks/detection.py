@@ -47,7 +47,7 @@ def seeds_of(spec: list[str]) -> list[int]:
 
 # -- recording -----------------------------------------------------------------------------------
 def _record_agent_run(job: tuple) -> str:
-    name, seed, root, qk_delta = (*job, None)[:4]  # (name, seed, root[, qk.delta])
+    name, seed, root, qk = (*job, None)[:4]  # (name, seed, root[, qk settings])
     from agent.testbed.supervised import default_agent_config, run_supervised, set_threads
 
     set_threads(1)
@@ -56,7 +56,7 @@ def _record_agent_run(job: tuple) -> str:
     if result_file.exists():
         return f"{name} s{seed}: kept"
     config = BY_NAME[name].config(seed)
-    cadence = {} if qk_delta is None else {"qk": {"delta": qk_delta}}
+    cadence = {"qk": qk} if qk else {}
     agent_config = default_agent_config(
         folder, remediate=False, checkpoints={"enabled": False}, **cadence
     )
@@ -87,9 +87,11 @@ def _record_twin(job: tuple[str, int, str]) -> str:
 
 
 def record(
-    root: Path, names: list[str], seeds: list[int], workers: int, qk_delta: int | None = None
+    root: Path, names: list[str], seeds: list[int], workers: int, qk: dict | None = None
 ) -> None:
-    jobs = [(_record_agent_run, (n, s, str(root), qk_delta)) for s in seeds for n in names]
+    """Record ``names`` x ``seeds`` under ``root`` (``qk``: AgentConfig ``qk`` settings that
+    differ from the default, e.g. ``{"delta": 12}``) and the fault runs' clean twins."""
+    jobs = [(_record_agent_run, (n, s, str(root), qk)) for s in seeds for n in names]
     jobs += [
         (_record_twin, (n, s, str(root)))
         for s in seeds
@@ -124,10 +126,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="record with this QK cadence (qk.delta, steps) instead of the default",
     )
+    p.add_argument(
+        "--qk-layers-per-eval",
+        type=int,
+        default=None,
+        help="record measuring this many attention layers per evaluation, in turn "
+        "(qk.layers_per_eval) instead of all",
+    )
     args = p.parse_args(argv)
     names = args.names or [e.name for e in CATALOG if e.group in args.groups]
     if args.command == "record":
-        record(args.root, names, seeds_of(args.seeds or ["all"]), args.workers, args.qk_delta)
+        qk = {
+            key: value
+            for key, value in (
+                ("delta", args.qk_delta),
+                ("layers_per_eval", args.qk_layers_per_eval),
+            )
+            if value is not None
+        }
+        record(args.root, names, seeds_of(args.seeds or ["all"]), args.workers, qk)
         return 0
     from detection_report import report
 

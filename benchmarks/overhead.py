@@ -60,6 +60,7 @@ VARIANTS = (
     "agent, qk.budget 0.01",
     "agent, QK jobs on the thread",
     "agent, no QK / router monitors",
+    "agent, qk.delta 12",
 )
 MONITOR = "monitor thread"  # the Costs part of the monitor jobs' CPU seconds (agent/costs.py)
 # The AgentConfig keys of each agent variant (besides run_dir).
@@ -67,6 +68,8 @@ SETTINGS: dict[str, dict] = {
     "agent, qk.budget 0.01": {"qk": {"budget": 0.01}},
     "agent, QK jobs on the thread": {"qk": {"worker": "thread"}},
     "agent, no QK / router monitors": {"qk": {"enabled": False}, "router": {"enabled": False}},
+    # twice the QK cadence: what a shorter cadence for fast faults costs (issue 13)
+    "agent, qk.delta 12": {"qk": {"delta": 12}},
 }
 
 

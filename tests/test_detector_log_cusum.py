@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from agent.detectors.log_cusum import LogCUSUMDetector
 from agent.detectors.signals import noise_series
 
@@ -210,3 +212,83 @@ def test_a_noise_scaled_state_round_trips_and_an_older_state_loads_without_noise
     old = LogCUSUMDetector(k=0.06, h=0.4, min_updates=3)
     old.load_state_dict(state)
     assert old.noise is None and old.state_dict() == plain.state_dict()
+
+
+def fired_at_cadence(d: LogCUSUMDetector, every: int, rate_per_step: float, n_steps: int) -> list:
+    """Feed a series that is flat at 2.0 until step 500 and then falls by ``rate_per_step`` (log)
+    per step, read every ``every`` steps; the steps at which ``d`` triggers."""
+    out = []
+    for step in range(0, n_steps, every):
+        value = 2.0 * math.exp(-rate_per_step * max(0, step - 500))
+        if d.update(step, value).triggered:
+            out.append(step)
+    return out
+
+
+def test_per_steps_changes_nothing_at_its_own_cadence():
+    for rate in (0.001, 0.004, 0.01, 0.03):
+        plain = LogCUSUMDetector(k=0.06, h=0.4, min_updates=2)
+        scaled = LogCUSUMDetector(k=0.06, h=0.4, min_updates=2, per_steps=25)
+        assert fired_at_cadence(plain, 25, rate, 2000) == fired_at_cadence(scaled, 25, rate, 2000)
+        assert plain.sums == scaled.sums and plain.onset_step == scaled.onset_step
+
+
+def test_per_steps_keeps_the_fall_rate_and_the_span_at_another_cadence():
+    # 0.0016 per step: 0.04 per 25 steps, under the 0.06 allowance. Read every 12 steps without
+    # per_steps the allowance is 0.06 per 12 steps (0.005 per step): quiet either way.
+    slow = 0.0016
+    assert fired_at_cadence(LogCUSUMDetector(k=0.06, h=0.4, per_steps=25), 12, slow, 3000) == []
+    # 0.0016 per step read every 50 steps: 0.08 per update, beyond a per-update allowance of
+    # 0.06 (it fires), within 0.06 per 25 steps (it does not).
+    assert fired_at_cadence(LogCUSUMDetector(k=0.06, h=0.4), 50, slow, 3000) != []
+    assert fired_at_cadence(LogCUSUMDetector(k=0.06, h=0.4, per_steps=25), 50, slow, 3000) == []
+    # A collapse at 0.008 per step (0.2 per 25 steps; excess 0.14 per 25 steps) crosses h = 0.4
+    # after about 72 steps of fall at both cadences with per_steps.
+    fast = 0.008
+    at_25 = fired_at_cadence(LogCUSUMDetector(k=0.06, h=0.4, per_steps=25), 25, fast, 1000)[0]
+    at_12 = fired_at_cadence(LogCUSUMDetector(k=0.06, h=0.4, per_steps=25), 12, fast, 1000)[0]
+    assert at_25 == 575 and abs(at_12 - at_25) <= 12, (at_25, at_12)
+    # Without per_steps the 12-step reading allows 0.06 per 12 steps: 0.096 per 12 steps of
+    # fall leave 0.036 of excess per update (0.003 per step against 0.0056), and the alert
+    # comes six readings later.
+    late = fired_at_cadence(LogCUSUMDetector(k=0.06, h=0.4), 12, fast, 1000)[0]
+    assert late == 648
+
+
+def test_per_steps_rescales_min_updates_but_never_below_two_updates():
+    # min_updates 2 per 25 steps: read every 12 steps the excursion must span 4 updates
+    # (round(2 x 25 / 12)); read every 100 steps, still 2 updates (not 1: one outlier).
+    def first(every: int, min_updates: int, per_steps: int | None) -> int | None:
+        d = LogCUSUMDetector(k=0.0, h=0.4, min_updates=min_updates, per_steps=per_steps)
+        dropped = [2.0 * 0.5 ** max(0, i - 9) for i in range(30)]  # halves at every update
+        hits = [i for i, v in enumerate(dropped) if d.update(i * every, v).triggered]
+        return hits[0] if hits else None
+
+    assert first(25, 2, 25) == first(25, 2, None) == 11  # the 2nd update of the excursion
+    assert first(12, 2, 25) == 13  # the 4th
+    assert first(12, 2, None) == 11
+    assert first(100, 2, 25) == 11  # the 2nd, not the 1st
+    assert first(100, 1, 25) == 10  # min_updates 1 stays 1
+
+
+def test_a_state_saved_before_per_steps_loads_and_its_gap_is_known_from_the_next_value():
+    d = LogCUSUMDetector(k=0.06, h=0.4, min_updates=2, per_steps=25)
+    for step in range(0, 300, 12):
+        d.update(step, 2.0)
+    assert d.state_dict()["state"]["previous_step"] == 288
+    # A version without per_steps saved neither the parameter nor the step of the last value.
+    plain = LogCUSUMDetector(k=0.06, h=0.4, min_updates=2)
+    for step in range(0, 300, 12):
+        plain.update(step, 2.0)
+    state = plain.state_dict()
+    del state["state"]["previous_step"]
+    del state["params"]["per_steps"]
+    old = LogCUSUMDetector(k=0.06, h=0.4, min_updates=2)
+    old.load_state_dict(state)
+    old.update(300, 2.0)
+    plain.update(300, 2.0)
+    assert old.state_dict() == plain.state_dict()
+    # A rule that gained per_steps does not take a state saved without it (the rule engine
+    # starts such a rule fresh: its detector changed).
+    with pytest.raises(ValueError, match="per_steps"):
+        LogCUSUMDetector(k=0.06, h=0.4, min_updates=2, per_steps=25).load_state_dict(state)

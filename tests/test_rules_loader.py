@@ -667,6 +667,28 @@ def test_shipped_rule_packs_all_load():
     assert len(ruleset.files) == len(files)
 
 
+def test_shipped_rate_rules_on_qk_metrics_are_given_per_the_default_qk_delta():
+    # k and min_updates count read-outs: a shipped rule on a metric read every qk.delta steps
+    # says per how many steps they were tuned, so another cadence rescales them (log_cusum
+    # per_steps; without it, qk.delta 12 lost 3 of 15 harmful FA faults on fresh seeds).
+    from agent.config import QKMonitorConfig  # noqa: PLC0415
+
+    delta = QKMonitorConfig().delta
+    qk_rules = [
+        r
+        for r in load_rule_files(default_rule_files())
+        if r.detector.type == "log_cusum"
+        and (r.metric.startswith(("qk_", "dwq_")) or r.metric == "control_update_entropy")
+        and r.enabled
+    ]
+    assert {r.name for r in qk_rules} >= {
+        "qk_delta2_entropy_collapse",
+        "qk_delta2_entropy_collapse_deep",
+        "block_update_collapse",
+    }
+    assert all(r.detector.params.get("per_steps") == delta for r in qk_rules)
+
+
 def test_located_yaml_positions_scalars_and_duplicates():
     from agent.rules.yaml_source import parse_located_yaml
 

@@ -90,8 +90,11 @@ class TwoSidedSums(Detector):
         """(C-, C+)."""
         return self._c_low, self._c_high
 
-    def _accumulate(self, step: int, x: float, k: float, h: float, direction: str) -> None:
-        """Add ``x`` (beyond the allowance ``k``) to the sums and judge them against ``h``."""
+    def _accumulate(
+        self, step: int, x: float, k: float, h: float, direction: str, young: int | None = None
+    ) -> None:
+        """Add ``x`` (beyond the allowance ``k``) to the sums and judge them against ``h``; a
+        sum counts once its excursion spans ``young`` updates (None: ``min_updates``)."""
         self._c_high = max(0.0, self._c_high + x - k)
         self._c_low = max(0.0, self._c_low - x - k)
         self._high_since = run_start(self._c_high != 0.0, self._high_since, step)
@@ -99,7 +102,8 @@ class TwoSidedSums(Detector):
         self._high_updates = self._high_updates + 1 if self._c_high != 0.0 else 0
         self._low_updates = self._low_updates + 1 if self._c_low != 0.0 else 0
         # a sum counts once its excursion has lasted min_updates updates (a trend, not a jump)
-        young = self.params.min_updates  # type: ignore[attr-defined]
+        if young is None:
+            young = self.params.min_updates  # type: ignore[attr-defined]
         high = self._c_high if self._high_updates >= young else 0.0
         low = self._c_low if self._low_updates >= young else 0.0
         self._set_larger_side_verdict(

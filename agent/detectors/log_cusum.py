@@ -30,6 +30,17 @@ nowhere. A step that stays is then taken one update later when its excess still 
 which needs ``h`` exceeded at two evaluations and so delays every alert, it costs nothing on
 a trend.
 
+``per_steps`` (default off): ``k`` and ``min_updates`` count updates, so what they mean
+depends on how far apart the values are: a rule tuned on a value every 25 steps watches a
+fall rate twice as steep, over an excursion half as long, when its metric comes every 12
+steps (an agent configured with ``qk.delta: 12``, or every 200 steps for a layer measured in
+turn with ``layers_per_eval``). With ``per_steps`` they are given per that many steps and
+rescaled to the gap between each value and the one before: the allowance of an update is
+``k x gap / per_steps`` (the same fall rate per step), and a sum triggers once its excursion
+spans ``round(min_updates x per_steps / gap)`` updates (about the same number of steps), but
+never fewer than ``min(min_updates, 2)``: a single outlying read-out is one update at any gap.
+At a gap of ``per_steps`` nothing changes. ``h`` is a total fall and stays.
+
 ``noise_k`` and ``noise_h`` (default off): ``k`` and ``h`` are fixed in log units, but how far
 a healthy series moves between evaluations depends on the model (the head-mean H(Delta_2) of
 the test bed moves 1-4% per evaluation, that of a small HF Mixtral or Qwen2-MoE 9-16%). With
@@ -81,6 +92,16 @@ class LogCUSUMParams(DetectorParams):
         1e-9, gt=0, description="Values at or below this count as this (metric units)."
     )
     min_updates: int = MIN_UPDATES_FIELD
+    per_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Give k and min_updates per this many steps (the cadence a rule was tuned at): each "
+            "update's allowance is k x gap / per_steps and an excursion must span "
+            "round(min_updates x per_steps / gap) updates (at least min(min_updates, 2)), gap "
+            "being the steps since the previous value. None: per update, whatever the gap."
+        ),
+    )
     noise_k: float | None = Field(
         None,
         gt=0,
@@ -118,11 +139,12 @@ class LogCUSUMDetector(TwoSidedSums):
     _state_fields = StateFields(
         floats=("c_high", "c_low"),
         as_saved=("previous", "high_since", "low_since", "high_from", "low_from"),
-        added={**EXCURSION_UPDATES, "noise": None},
+        added={**EXCURSION_UPDATES, "noise": None, "previous_step": None},
     )
 
     def _reset_state(self) -> None:
         self._previous: float | None = None  # ln of the previous value
+        self._previous_step: int | None = None  # its step
         self._high_from: float | None = None  # the value the current departure rose from
         self._low_from: float | None = None  # ... fell from (kept by reset: the baseline)
         window = self.params.noise_window
@@ -161,14 +183,20 @@ class LogCUSUMDetector(TwoSidedSums):
         p = self.params
         now = math.log(max(value, p.floor))
         before, self._previous = self._previous, now
+        before_step, self._previous_step = self._previous_step, step
         if before is None:
             return
         low_was, high_was = self._c_low, self._c_high
         change = now - before
-        k, h = p.k, p.h
+        k, h, young = p.k, p.h, None
+        if p.per_steps is not None and before_step is not None and step > before_step:
+            gap = (step - before_step) / p.per_steps  # in units of per_steps
+            # about the same span in steps, but never fewer than 2 updates where 2 or more
+            # were asked for: a single outlying read-out is one update at any gap
+            k, young = k * gap, max(round(p.min_updates / gap), min(p.min_updates, 2))
         if p.scaled:
             k, h = self._noise_scaled(k, p.noise_k), self._noise_scaled(h, p.noise_h)
-        self._accumulate(step, change, k, h, p.direction)
+        self._accumulate(step, change, k, h, p.direction, young)
         if p.scaled:
             self._learn_noise(change)
         if low_was == 0.0 and self._c_low != 0.0 and self._came_back(before, self._low_from, -1):

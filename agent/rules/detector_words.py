@@ -58,16 +58,17 @@ def _log_cusum(p: Any) -> str:
         "rising": [("rising", "rise", rise)],
         "both": [("falling", "fall", fall), ("rising", "rise", rise)],
     }[p.direction]
+    unit = "per evaluation" if p.per_steps is None else f"per {p.per_steps} steps"
     parts = [
-        f"keeps {verb} faster than {_pct(per)} per evaluation until the excess adds up to "
-        f"{_pct(total)}"
+        f"keeps {verb} faster than {_pct(per)} {unit} until the excess adds up to {_pct(total)}"
         for verb, _, (per, total, _) in ways
     ]
     forgiven = " or ".join(f"{noun} of less than {_pct(step)}" for _, noun, (_, _, step) in ways)
     first = _ORDINALS.get(p.min_updates + 1, f"value number {p.min_updates + 1}")
     return (
         f"fires when the value {' or '.join(parts)} (a CUSUM on log-changes: k = {_num(p.k)}, "
-        f"h = {_num(p.h)}){_min_updates(p.min_updates)}; a slower drift never adds up, a "
+        f"h = {_num(p.h)}){_min_updates(p.min_updates, p.per_steps)}; a slower drift never "
+        "adds up, a "
         f"one-time {forgiven} is forgiven, and there is no baseline to learn, so "
         + (f"it can fire from its {first}" if not p.scaled else _noise(p))
     )
@@ -91,13 +92,21 @@ def _noise(p: Any) -> str:
 _ORDINALS = {2: "second value", 3: "third value", 4: "fourth value"}
 
 
-def _min_updates(n: int) -> str:
-    """The ``min_updates`` clause of a CUSUM's sentence ("" for 1, the default)."""
+def _min_updates(n: int, per_steps: int | None = None) -> str:
+    """The ``min_updates`` clause of a CUSUM's sentence ("" for 1, the default; with
+    ``per_steps``, in steps, and the rescaling said)."""
+    rescaled = (
+        ""
+        if per_steps is None
+        else f"; k and this span are given per {per_steps} steps and rescaled to the steps "
+        "between two values"
+    )
     if n == 1:
-        return ""
+        return rescaled
+    lasted = f"{n} evaluations in a row" if per_steps is None else f"about {n * per_steps} steps"
     return (
-        f", once the departure has lasted {n} evaluations in a row (a single outlying value "
-        "cannot fire it on the evaluation it arrives)"
+        f", once the departure has lasted {lasted} (a single outlying value cannot fire it on "
+        f"the evaluation it arrives){rescaled}"
     )
 
 
