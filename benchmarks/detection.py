@@ -110,6 +110,18 @@ def twin_losses(root: Path, config: ScenarioConfig) -> list[float] | None:
     return json.loads(path.read_text())["losses"] if path.exists() else None
 
 
+def add_layers_per_eval_option(p: argparse.ArgumentParser) -> None:
+    """``--qk-layers-per-eval N``: record with layers measured in turn (shared with
+    ``detection_hf.py``)."""
+    p.add_argument(
+        "--qk-layers-per-eval",
+        type=int,
+        default=None,
+        help="record measuring this many attention layers per evaluation, in turn "
+        "(qk.layers_per_eval) instead of all",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["record", "report"])
@@ -126,13 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="record with this QK cadence (qk.delta, steps) instead of the default",
     )
-    p.add_argument(
-        "--qk-layers-per-eval",
-        type=int,
-        default=None,
-        help="record measuring this many attention layers per evaluation, in turn "
-        "(qk.layers_per_eval) instead of all",
-    )
+    add_layers_per_eval_option(p)
     args = p.parse_args(argv)
     names = args.names or [e.name for e in CATALOG if e.group in args.groups]
     if args.command == "record":

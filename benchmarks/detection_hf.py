@@ -5,7 +5,7 @@ hidden-Markov language (not the test bed's Markov chains), with the default ``Ag
 the loop in detect-only mode.
 
     python benchmarks/detection_hf.py [--seeds 7] [--steps 2000] [--model mixtral]
-        [--rules FILES...] [--out FILE]
+        [--qk-layers-per-eval N] [--rules FILES...] [--out FILE]
 
 ``--model qwen2_moe`` trains a Qwen2-MoE of the same size instead (biases on Q, K and V, a
 shared expert beside the routed ones with its own one-output gate, which is not a router):
@@ -165,8 +165,10 @@ def run(
     run_dir: Path,
     fault_start: int = FAULT_START,
     model_name: str = "mixtral",
+    qk: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One whole run with the default agent (detect-only): its per-step losses and wall time."""
+    """One whole run with the default agent (detect-only; ``qk``: AgentConfig ``qk`` settings
+    that differ from the default): its per-step losses and wall time."""
     from agent.agent import Agent
     from agent.testbed.attention import AttentionFault
     from agent.testbed.supervised import default_agent_config
@@ -184,7 +186,9 @@ def run(
         model,
         optimizer,
         scheduler,
-        default_agent_config(run_dir, remediate=False, checkpoints={"enabled": False}),
+        default_agent_config(
+            run_dir, remediate=False, checkpoints={"enabled": False}, **({"qk": qk} if qk else {})
+        ),
     )
     data = HiddenMarkovLanguage(seed)
     shifted = HiddenMarkovLanguage(seed + 1000)
@@ -293,6 +297,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from detection import add_layers_per_eval_option
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[7])
     p.add_argument("--steps", type=int, default=2000)
@@ -303,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rules", type=Path, nargs="+", default=None, help="replay with these rule files"
     )
     p.add_argument("--out", type=Path, default=None)
+    add_layers_per_eval_option(p)
     args = p.parse_args(argv)
+    qk = {"layers_per_eval": args.qk_layers_per_eval} if args.qk_layers_per_eval else None
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -319,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[scenario] = json.loads(saved.read_text())
                 else:
                     results[scenario] = run(
-                        scenario, seed, args.steps, folder, model_name=args.model
+                        scenario, seed, args.steps, folder, model_name=args.model, qk=qk
                     )
                     saved.write_text(json.dumps(results[scenario]))
                 if scenario not in args.scenarios:

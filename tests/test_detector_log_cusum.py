@@ -292,3 +292,26 @@ def test_a_state_saved_before_per_steps_loads_and_its_gap_is_known_from_the_next
     # starts such a rule fresh: its detector changed).
     with pytest.raises(ValueError, match="per_steps"):
         LogCUSUMDetector(k=0.06, h=0.4, min_updates=2, per_steps=25).load_state_dict(state)
+
+
+def test_with_per_steps_sparser_values_learn_the_noise_in_about_as_many_steps_not_changes():
+    # Half the window is 8 changes: 200 steps at 25 steps apart. A layer read every 100 steps
+    # (measured in turn) is ready after max(4, ceil(8 x 25 / 100)) = 4 changes, 5 values;
+    # every 50 steps after 4 as well; every 12 steps (and without per_steps) after 8.
+    def ready_after(every: int, per_steps: int | None) -> int:
+        d = LogCUSUMDetector(
+            k=0.06, h=0.4, noise_k=0.5, noise_h=3.0, per_steps=per_steps, direction="falling"
+        )
+        for i, v in enumerate([1.0, 1.02, 0.99, 1.01, 1.0, 0.98, 1.01, 1.0, 0.99, 1.0]):
+            d.update(i * every, v)
+            if d.ready and d.noise is not None:
+                return i
+        raise AssertionError("never ready")
+
+    assert ready_after(100, 25) == 4
+    assert ready_after(50, 25) == 4
+    assert ready_after(25, 25) == ready_after(12, 25) == ready_after(100, None) == 8
+    # and a collapse read every 100 steps fires once those 4 changes are known
+    d = LogCUSUMDetector(k=0.06, h=0.4, noise_k=0.5, noise_h=3.0, per_steps=25)
+    collapse = [2.0 * 0.5**i for i in range(8)]
+    assert [i for i, v in enumerate(collapse) if d.update(i * 100, v).triggered][0] == 5

@@ -54,7 +54,10 @@ where sigma is the robust spread (1.4826 x the median absolute deviation) of the
 whatever they are: until then the sums accumulate with ``k`` and ``h`` but cannot trigger
 (``ready`` is False), so a noisy series' first values cannot fire it, and a collapse already
 under way from the first value (a steady fall has a small spread) fires as soon as they are
-known. After that a departure's changes are held until its sum is back to 0, and join the
+known. With ``per_steps``, values sparser than that (a layer measured in turn) learn about as
+many steps' worth instead: half the window x ``per_steps`` / gap changes, but at least 4 (a
+layer read every 100 steps would otherwise stay blind for 800 steps after its first value).
+After that a departure's changes are held until its sum is back to 0, and join the
 noise only if it did not fire. ``k`` and ``h`` stay the floor, so a quiet series is judged
 exactly as without them.
 
@@ -120,7 +123,8 @@ class LogCUSUMParams(DetectorParams):
         ge=4,
         description=(
             "How many recent noise log-changes give sigma (with noise_k or noise_h); the "
-            "detector can trigger once half of them are known."
+            "detector can trigger once half of them are known (with per_steps, where values "
+            "come further apart: as many steps' worth, at least 4 changes)."
         ),
     )
 
@@ -198,7 +202,7 @@ class LogCUSUMDetector(TwoSidedSums):
             k, h = self._noise_scaled(k, p.noise_k), self._noise_scaled(h, p.noise_h)
         self._accumulate(step, change, k, h, p.direction, young)
         if p.scaled:
-            self._learn_noise(change)
+            self._learn_noise(change, None if before_step is None else step - before_step)
         if low_was == 0.0 and self._c_low != 0.0 and self._came_back(before, self._low_from, -1):
             self._low_from = math.exp(before)
         if high_was == 0.0 and self._c_high != 0.0 and self._came_back(before, self._high_from, 1):
@@ -209,16 +213,16 @@ class LogCUSUMDetector(TwoSidedSums):
             return floor
         return max(floor, times * self._noise)
 
-    def _learn_noise(self, change: float) -> None:
-        """File ``change``: the first ones are noise whatever they are (no trigger until enough
-        are known); after that, held while a watched departure is under way and noise once
-        that departure ended without firing."""
+    def _learn_noise(self, change: float, gap: int | None) -> None:
+        """File ``change`` (over ``gap`` steps): the first ones are noise whatever they are (no
+        trigger until enough are known); after that, held while a watched departure is under
+        way and noise once that departure ended without firing."""
         if self._noise is None:
             self._set_verdict(None, None)
             self._changes.append(change)
             self._pending.clear()
             self._fired = False
-            self._measure_noise()
+            self._measure_noise(self._changes_to_learn(gap))
             return
         self._fired = self._fired or self._triggered
         self._pending.append(change)
@@ -230,13 +234,23 @@ class LogCUSUMDetector(TwoSidedSums):
             return
         if not self._fired:
             self._changes.extend(self._pending)
-            self._measure_noise()
+            self._measure_noise(1)  # known already: follow the window
         self._pending.clear()
         self._fired = False
 
-    def _measure_noise(self) -> None:
-        """sigma of the noise changes, once there are enough of them."""
-        if len(self._changes) >= max(2, self.params.noise_window // 2):
+    def _changes_to_learn(self, gap: int | None) -> int:
+        """How many noise changes must be known before the first trigger: half the window;
+        with ``per_steps``, where values come ``gap`` > ``per_steps`` steps apart, about as many
+        steps' worth (half the window x per_steps / gap changes), but never fewer than 4."""
+        p = self.params
+        half = max(2, p.noise_window // 2)
+        if p.per_steps is None or gap is None or gap <= p.per_steps:
+            return half
+        return max(min(4, half), math.ceil(half * p.per_steps / gap))
+
+    def _measure_noise(self, needed: int) -> None:
+        """sigma of the noise changes, once there are ``needed`` of them."""
+        if len(self._changes) >= needed:
             center = statistics.median(self._changes)
             spread = statistics.median(abs(x - center) for x in self._changes)
             self._noise = MAD_TO_STD * spread

@@ -86,6 +86,12 @@ def _noise(p: Any) -> str:
         f"series is noisier (sigma: the robust spread of its last {p.noise_window} log-changes "
         f"that were noise), and it cannot fire before {max(2, p.noise_window // 2)} of them "
         "are known"
+        + (
+            ""
+            if p.per_steps is None
+            else f" (where values come more than {p.per_steps} steps apart, as many steps' "
+            "worth, but at least 4)"
+        )
     )
 
 
