@@ -14,10 +14,14 @@ that is ``heads = that / seconds per head`` query heads: all heads of ``heads //
 timed, every layer is measured (the configured ``layers_per_eval`` / ``heads_per_layer``).
 
 What it changes for detection: a layer measured every k-th evaluation is seen every k x delta
-steps (its increment still spans delta steps); a rule's per-evaluation allowance (``log_cusum``'s
-``k``) then covers k times as many steps. With fewer heads than a layer has, a head-mean moves
-with the heads it averages: prefer ``layers_per_eval`` to ``heads_per_layer`` (this controller
-reduces heads only when one whole layer is over the budget).
+steps (its increment still spans delta steps; rules with ``per_steps`` keep their fall rate per
+step), and a fault that collapses a layer between two of its read-outs is seen late: on the
+test bed's 4-layer model, one layer at a time lost its fault to the loss detectors, where the
+same QK heads measured as one head of every layer (``heads_per_layer``) kept it
+(benchmarks/results/detection_cadence.md). This controller still reduces layers first (heads
+only when one whole layer is over the budget), since a layer's fixed work (its control
+matrices) is paid whatever its heads; on the test bed that fixed work dominates, so heads in
+turn saved nothing there.
 """
 
 from __future__ import annotations

@@ -110,9 +110,9 @@ def twin_losses(root: Path, config: ScenarioConfig) -> list[float] | None:
     return json.loads(path.read_text())["losses"] if path.exists() else None
 
 
-def add_layers_per_eval_option(p: argparse.ArgumentParser) -> None:
-    """``--qk-layers-per-eval N``: record with layers measured in turn (shared with
-    ``detection_hf.py``)."""
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """``--qk-layers-per-eval N`` and ``--qk-heads-per-layer N``: record with layers or heads
+    measured in turn (shared with ``detection_hf.py``); ``sampling(args)`` reads them."""
     p.add_argument(
         "--qk-layers-per-eval",
         type=int,
@@ -120,6 +120,19 @@ def add_layers_per_eval_option(p: argparse.ArgumentParser) -> None:
         help="record measuring this many attention layers per evaluation, in turn "
         "(qk.layers_per_eval) instead of all",
     )
+    p.add_argument(
+        "--qk-heads-per-layer",
+        type=int,
+        default=None,
+        help="record measuring this many query heads per layer and evaluation, in turn "
+        "(qk.heads_per_layer) instead of all",
+    )
+
+
+def sampling(args: argparse.Namespace) -> dict[str, int]:
+    """The ``qk`` settings of ``add_sampling_options`` that were given."""
+    given = {"layers_per_eval": args.qk_layers_per_eval, "heads_per_layer": args.qk_heads_per_layer}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,18 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="record with this QK cadence (qk.delta, steps) instead of the default",
     )
-    add_layers_per_eval_option(p)
+    add_sampling_options(p)
     args = p.parse_args(argv)
     names = args.names or [e.name for e in CATALOG if e.group in args.groups]
     if args.command == "record":
-        qk = {
-            key: value
-            for key, value in (
-                ("delta", args.qk_delta),
-                ("layers_per_eval", args.qk_layers_per_eval),
-            )
-            if value is not None
-        }
+        qk = {**({"delta": args.qk_delta} if args.qk_delta is not None else {}), **sampling(args)}
         record(args.root, names, seeds_of(args.seeds or ["all"]), args.workers, qk)
         return 0
     from detection_report import report

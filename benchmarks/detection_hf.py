@@ -5,7 +5,8 @@ hidden-Markov language (not the test bed's Markov chains), with the default ``Ag
 the loop in detect-only mode.
 
     python benchmarks/detection_hf.py [--seeds 7] [--steps 2000] [--model mixtral]
-        [--qk-layers-per-eval N] [--rules FILES...] [--out FILE]
+        [--qk-layers-per-eval N] [--qk-heads-per-layer N]
+        [--rules FILES...] [--out FILE]
 
 ``--model qwen2_moe`` trains a Qwen2-MoE of the same size instead (biases on Q, K and V, a
 shared expert beside the routed ones with its own one-output gate, which is not a router):
@@ -297,7 +298,7 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from detection import add_layers_per_eval_option
+    from detection import add_sampling_options, sampling
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[7])
@@ -309,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rules", type=Path, nargs="+", default=None, help="replay with these rule files"
     )
     p.add_argument("--out", type=Path, default=None)
-    add_layers_per_eval_option(p)
+    add_sampling_options(p)
     args = p.parse_args(argv)
-    qk = {"layers_per_eval": args.qk_layers_per_eval} if args.qk_layers_per_eval else None
+    qk = sampling(args) or None
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
