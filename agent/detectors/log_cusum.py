@@ -241,7 +241,8 @@ class LogCUSUMDetector(TwoSidedSums):
     def _changes_to_learn(self, gap: int | None) -> int:
         """How many noise changes must be known before the first trigger: half the window;
         with ``per_steps``, where values come ``gap`` > ``per_steps`` steps apart, about as many
-        steps' worth (half the window x per_steps / gap changes), but never fewer than 4."""
+        steps' worth (half the window x per_steps / gap changes), but never fewer than 4 (nor
+        than half the window, where that is less)."""
         p = self.params
         half = max(2, p.noise_window // 2)
         if p.per_steps is None or gap is None or gap <= p.per_steps:
