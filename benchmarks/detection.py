@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     names = args.names or [e.name for e in CATALOG if e.group in args.groups]
     if args.command == "record":
-        qk = {**({"delta": args.qk_delta} if args.qk_delta is not None else {}), **sampling(args)}
+        qk = sampling(args)
+        if args.qk_delta is not None:
+            qk["delta"] = args.qk_delta
         record(args.root, names, seeds_of(args.seeds or ["all"]), args.workers, qk)
         return 0
     from detection_report import report

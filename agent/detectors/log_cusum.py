@@ -84,6 +84,8 @@ from agent.detectors.base import DetectorParams, StateFields
 from agent.detectors.baseline import MAD_TO_STD
 from agent.detectors.cusum import EXCURSION_UPDATES, MIN_UPDATES_FIELD, TwoSidedSums
 
+SPARSE_NOISE_CHANGES = 4  # the fewest noise changes a sparse series learns sigma from
+
 
 class LogCUSUMParams(DetectorParams):
     k: float = Field(0.1, ge=0, description="Allowance per update, natural-log units.")
@@ -132,6 +134,16 @@ class LogCUSUMParams(DetectorParams):
     def scaled(self) -> bool:
         """Whether k or h follows the series' noise."""
         return self.noise_k is not None or self.noise_h is not None
+
+    def noise_changes_needed(self, gap: int | None = None) -> int:
+        """How many noise changes must be known before the first trigger: half the window;
+        with ``per_steps``, where values come ``gap`` > ``per_steps`` steps apart, about as many
+        steps' worth (half the window x per_steps / gap changes), but never fewer than
+        ``SPARSE_NOISE_CHANGES`` (nor than half the window, where that is less)."""
+        half = max(2, self.noise_window // 2)
+        if self.per_steps is None or gap is None or gap <= self.per_steps:
+            return half
+        return max(min(SPARSE_NOISE_CHANGES, half), math.ceil(half * self.per_steps / gap))
 
 
 class LogCUSUMDetector(TwoSidedSums):
@@ -222,7 +234,7 @@ class LogCUSUMDetector(TwoSidedSums):
             self._changes.append(change)
             self._pending.clear()
             self._fired = False
-            self._measure_noise(self._changes_to_learn(gap))
+            self._measure_noise(self.params.noise_changes_needed(gap))
             return
         self._fired = self._fired or self._triggered
         self._pending.append(change)
@@ -237,17 +249,6 @@ class LogCUSUMDetector(TwoSidedSums):
             self._measure_noise(1)  # known already: follow the window
         self._pending.clear()
         self._fired = False
-
-    def _changes_to_learn(self, gap: int | None) -> int:
-        """How many noise changes must be known before the first trigger: half the window;
-        with ``per_steps``, where values come ``gap`` > ``per_steps`` steps apart, about as many
-        steps' worth (half the window x per_steps / gap changes), but never fewer than 4 (nor
-        than half the window, where that is less)."""
-        p = self.params
-        half = max(2, p.noise_window // 2)
-        if p.per_steps is None or gap is None or gap <= p.per_steps:
-            return half
-        return max(min(4, half), math.ceil(half * p.per_steps / gap))
 
     def _measure_noise(self, needed: int) -> None:
         """sigma of the noise changes, once there are ``needed`` of them."""

@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from agent.detectors.log_cusum import SPARSE_NOISE_CHANGES
+
 Sentence = Callable[[Any], str]
 
 
@@ -84,13 +86,13 @@ def _noise(p: Any) -> str:
     return (
         f"nothing the series did before can disarm it; it raises {' and '.join(raised)} where the "
         f"series is noisier (sigma: the robust spread of its last {p.noise_window} log-changes "
-        f"that were noise), and it cannot fire before {max(2, p.noise_window // 2)} of them "
+        f"that were noise), and it cannot fire before {p.noise_changes_needed()} of them "
         "are known"
         + (
             ""
             if p.per_steps is None
             else f" (where values come more than {p.per_steps} steps apart, as many steps' "
-            "worth, but at least 4)"
+            f"worth, but at least {min(SPARSE_NOISE_CHANGES, p.noise_changes_needed())})"
         )
     )
 
