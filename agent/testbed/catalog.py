@@ -5,9 +5,9 @@ harness patches), with the family a correct agent reports (None: benign, the age
 open a mechanism incident) and the group it belongs to:
 
 - ``benign``: clean runs and healthy change: unbiased rounding at 3 and 6 bits on dS and dQK,
-  a data shift mid-run (another chain, and a milder one), the learning rate x0.3 and x2
-  mid-run, a longer warm-up, a lower learning rate, a bigger model (4 layers, d 96), a GQA
-  model, a 3,000-step run;
+  a data shift mid-run (another chain, and a milder one), the learning rate x0.1 (a step
+  decay's cut), x0.3 and x2 mid-run, a longer warm-up, a lower learning rate, a bigger model
+  (4 layers, d 96), a GQA model, a 3,000-step run;
 - ``fa``: biased rounding (floor, ceil, away) at 4-8 mantissa bits on dS and dQK, switched on
   at step 300, 500 or 900, ramped in over 500 steps, in one layer only, in the bigger model;
 - ``router``: the router LR x3 / x10 / x30 with the balancing loss on and off, a small batch,
@@ -72,6 +72,7 @@ CATALOG: tuple[Entry, ...] = (
     _benign("data_shift", shift_step=900, shift_fraction=1.0),
     _benign("data_shift_mild", shift_step=900, shift_fraction=0.25),
     _benign("lr_x0.3", lr_change_step=900, lr_change_mult=0.3),
+    _benign("lr_x0.1", lr_change_step=900, lr_change_mult=0.1),  # a step decay's cut
     _benign("lr_x2", lr_change_step=900, lr_change_mult=2.0),
     _benign("warmup_long", warmup_steps=500),
     _benign("lr_low", lr=3e-3),
