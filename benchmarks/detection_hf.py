@@ -17,7 +17,9 @@ benign change); ``lr_x2`` (the whole model's learning rate doubled from step 500
 loss on: a benign push on every router at once, which the router rule must not take for a
 router fault); ``lr_x5`` (the same x5: a global push strong enough that it may destabilize the
 routers with everything else; it asks whether a global cause collapses routers, and what the
-rules call it); ``fa_floor_3``, ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
+rules call it); ``lr_x0.1`` (the whole model's learning rate cut to a tenth from step 500: a
+step decay's cut, a benign change that steps H(Delta_2) down once); ``fa_floor_3``,
+``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
 rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
 through an attention function registered with transformers that runs the test bed's emulated
 arithmetic; nothing else changes);
@@ -52,6 +54,7 @@ SCENARIOS = (
     "data_shift",
     "lr_x2",
     "lr_x5",
+    "lr_x0.1",
     "fa_floor_3",
     "fa_floor_4",
     "fa_floor_6",
@@ -69,7 +72,7 @@ ROUTER_FAULTS = {
     "combined_6": 30.0,
 }
 # The whole model's LR multiplier from FAULT_START (every parameter group).
-GLOBAL_LR = {"lr_x2": 2.0, "lr_x5": 5.0}
+GLOBAL_LR = {"lr_x2": 2.0, "lr_x5": 5.0, "lr_x0.1": 0.1}
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
