@@ -19,10 +19,10 @@ router fault); ``lr_x5`` (the same x5: a global push strong enough that it may d
 routers with everything else; it asks whether a global cause collapses routers, and what the
 rules call it); ``lr_x0.1`` (the whole model's learning rate cut to a tenth from step 500: a
 step decay's cut, a benign change that steps H(Delta_2) down once); ``fa_floor_3``,
-``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS
-rounded towards -inf to 3, 4 or 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's,
-through an attention function registered with transformers that runs the test bed's emulated
-arithmetic; nothing else changes);
+``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS rounded towards -inf to 3, 4 or
+6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's, through an attention function
+registered with transformers that runs the test bed's emulated arithmetic; nothing else
+changes);
 ``router_x30_nobal`` and ``router_x10_nobal`` (the routers' LR x30 or x10 and the balancing
 loss off from step 500);
 ``combined`` (``fa_floor_4`` and ``router_x30_nobal`` together, both from step 500);
