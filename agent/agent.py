@@ -68,6 +68,7 @@ from agent.notify.factory import build_dispatcher
 from agent.rules.engine import RuleEngine
 from agent.rules.loader import default_rule_files, load_rule_files
 from agent.samples import Sample
+from agent.schedule_steps import learning_rate_samples
 from agent.step_inputs import check_scalar, check_step
 from agent.store import SeriesStore
 from remediations.attention import AttentionPrecisionSwitch
@@ -177,6 +178,7 @@ class Agent:
             self.context,
             monitored_families=monitored,
             symptom_wait=config.notify.symptom_wait_steps,
+            schedule_lag=2 * config.qk.delta,
         )
         self.hparams = HyperparameterRequests()
         self.checkpoints = (
@@ -209,6 +211,7 @@ class Agent:
             rules=[r.name for r in self.ruleset],
             rank=self.world.rank,
             world_size=self.world.size,
+            schedule_lag=self.attributor.schedule_lag,
         )
 
     # ------------------------------------------------------------------ construction
@@ -271,6 +274,10 @@ class Agent:
             None,
         )
         new = self._guarded("measurements", lambda: self.measurements.collect(step), [])
+        if self.optimizer is not None and step % self.config.symptoms.every == 0:
+            new += self._guarded(
+                "learning rate", lambda: learning_rate_samples(self.optimizer, step), []
+            )
         if new:
             self._guarded("decisions", lambda: self._round(step, new), None)
         if self._resume_step is None and self.checkpoints is not None:

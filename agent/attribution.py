@@ -42,6 +42,12 @@ drift well before the collapse)
   together are alerted closer than that (the test bed's ``combined``: the FA onset 175-300
   steps after the router alert); a second, independent fault that begins that much later is
   counted as a consequence, and its evidence stays in the incident, or
+- when it began (its onset) within a step of the learning-rate schedule: after the last read-out
+  of the optimizer's learning rates before every group's rate moved by x2 or more, and at
+  most ``schedule_lag`` steps (default 50: two QK evaluations at their default cadence)
+  after the first read-out that showed it (``agent.schedule_steps``): a schedule step moves
+  every weight's update at once (a cut x0.1 on the test bed drops H(Delta_2) by a third in
+  one evaluation with its top direction held), and the step itself is not news, or
 - at least ``consequence_lag`` steps (default 100) after the loss damage began, whatever
   else the incident holds: damage needs time to feed back into a mechanism, and a collapse
   that starts with the loss change is as likely its cause as its effect (a smaller batch
@@ -51,6 +57,14 @@ So a QK collapse while the model relearns after a data shift leaves the incident
 ``unattributed``, and a router collapse that follows the damage of an attention fault leaves
 it ``fa_precision`` (``combined`` means both mechanisms started on their own). Evidence of a
 family that is already a cause of the incident is a cause too.
+
+Inhibition (Alertmanager's ``inhibit_rules``): while no incident is open and every firing
+alert is mechanism evidence that began with a step of the learning-rate schedule, no incident
+opens: nothing is paged and no action runs (the alerts are in the event log). A step decay's
+cut is the user's own doing, not news. When other evidence fires (a loss rise, another
+mechanism), the incident opens with that evidence kept as a consequence. The price: a fault
+that begins within a schedule step's window is paged only once the loss shows it, as
+``unattributed``.
 
 Symptom wait (Alertmanager's ``group_wait``): a new incident whose evidence is only symptoms
 below ``critical`` (a loss rise or spike, a gradient-norm spike) is held ``symptom_wait`` steps
@@ -75,6 +89,8 @@ import dataclasses
 from typing import Any
 
 from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
+from agent.samples import Sample
+from agent.schedule_steps import SCHEDULE_LAG, ScheduleSteps
 
 MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 # Symptom evidence that the whole run changed (see the module docstring).
@@ -142,17 +158,21 @@ def _systemic_onset(
     return min(steps, default=None)
 
 
-def _is_consequence(
+def _consequence_of(
     e: Evidence,
     evidence: list[Evidence],
     lag: int,
     causes: set[str] = frozenset(),
     downstream_lag: int | None = DOWNSTREAM_LAG,
-) -> bool:
-    """Mechanism evidence explained by a change of the whole run or by the damage of the other
-    mechanism, already a cause of the incident (``causes``; see the module docstring)."""
+    schedule: ScheduleSteps | None = None,
+    schedule_lag: int = SCHEDULE_LAG,
+) -> str | None:
+    """What explains mechanism evidence ``e``, in words, when it is a consequence: a change of
+    the whole run (its loss, its controls, its learning-rate ``schedule``) or the damage of the
+    other mechanism, already a cause of the incident (``causes``; see the module docstring).
+    None: ``e`` is a cause."""
     if e.family not in MECHANISM_FAMILIES:
-        return False
+        return None
     began = e.fired_step
     controls = _systemic_onset(evidence, CONTROL_METRICS)
     loss = _systemic_onset(evidence, LOSS_METRICS)
@@ -160,23 +180,34 @@ def _is_consequence(
     diverged = _diverged(evidence)
     onset = e.onset_step if e.onset_step is not None else began
     other = causes & (set(MECHANISM_FAMILIES) - {e.family})  # the other mechanism, a cause
-    other_is_cause = bool(other)
     other_alerted = min(  # its first alert (of its causal evidence: not a loss alert)
         (x.fired_step for x in evidence if x.family in other and not x.consequence),
         default=None,
     )
-    return (
-        (controls is not None and began >= controls)
-        or (
-            downstream_lag is not None
-            and other_alerted is not None
-            and onset >= other_alerted + downstream_lag
+    stepped = schedule.explaining(onset, schedule_lag) if schedule is not None else None
+    if controls is not None and began >= controls:
+        return f"the rest of its block's updates collapsed from step {controls}"
+    if downstream_lag is not None and other_alerted is not None:
+        if onset >= other_alerted + downstream_lag:
+            return f"began {onset - other_alerted} steps after the {_one(other)} alert"
+    if stepped is not None:
+        return (
+            f"began with a step of the learning-rate schedule (x{stepped.ratio:.3g} between "
+            f"steps {stepped.before} and {stepped.at})"
         )
-        or (jump is not None and onset > jump)
-        or (loss is not None and began >= loss + lag)
-        or (loss is not None and other_is_cause and onset >= loss)
-        or (diverged is not None and began >= diverged)
-    )
+    if jump is not None and onset > jump:
+        return f"began after the loss jumped at step {jump}"
+    if loss is not None and began >= loss + lag:
+        return f"fired {began - loss} steps after the loss damage began at step {loss}"
+    if loss is not None and other and onset >= loss:
+        return f"began after the loss damage of the {_one(other)} fault (step {loss})"
+    if diverged is not None and began >= diverged:
+        return f"fired after the loss diverged at step {diverged}"
+    return None
+
+
+def _one(families: set[str]) -> str:
+    return sorted(families)[0]
 
 
 def _diverged(evidence: list[Evidence]) -> int | None:
@@ -208,8 +239,12 @@ class Attributor:
         consequence_lag: int = CONSEQUENCE_LAG,
         downstream_lag: int | None = DOWNSTREAM_LAG,
         symptom_wait: int = 0,
+        schedule_lag: int = SCHEDULE_LAG,
     ) -> None:
         self.context = context or RunContext()
+        self.schedule = ScheduleSteps()  # the learning-rate schedule's steps (``observe``)
+        self.schedule_lag = schedule_lag
+        self.inhibited: set[str] = set()  # rules firing on the schedule's account alone
         self.consequence_lag = consequence_lag
         self.downstream_lag = downstream_lag  # None: never by time alone
         self.symptom_wait = symptom_wait
@@ -223,14 +258,21 @@ class Attributor:
         self._count = 0  # incidents opened so far (part of the deterministic id)
 
     # ------------------------------------------------------------------ evaluation
+    def observe(self, samples: list[Sample]) -> None:
+        """Take one round's samples before ``update``: the learning rates among them tell
+        where the schedule stepped (``agent.schedule_steps``)."""
+        self.schedule.observe(samples)
+
     def update(self, step: int, firing: list[Evidence]) -> list[IncidentEvent]:
         """The incident events of one evaluation, from the evidence of every firing alert."""
         if self.open is None:
             held, self.held, self.held_since = self.held, [], None
+            self.inhibited = set()
             if not firing:  # held symptoms that cleared are still paged, opened and resolved
                 return [self._open(step, held), self._resolve(step)] if held else []
             firing = _with_held(firing, held)  # a held alert that cleared stays evidence
-            if self._hold(step, firing):
+            self.inhibited = self._inhibited(firing)
+            if self.inhibited or self._hold(step, firing):
                 return []
             return [self._open(step, firing)]
         if not firing:
@@ -265,6 +307,20 @@ class Attributor:
         """Symptom evidence fires and is held before it opens an incident (module docstring)."""
         return self.open is None and self.held_since is not None
 
+    def _inhibited(self, firing: list[Evidence]) -> set[str]:
+        """The rules of ``firing`` when all of it is mechanism evidence that began with a step
+        of the learning-rate schedule (then it opens no incident: the module docstring's
+        inhibition); else the empty set."""
+        explained = all(
+            e.family in MECHANISM_FAMILIES
+            and self.schedule.explaining(
+                e.onset_step if e.onset_step is not None else e.fired_step, self.schedule_lag
+            )
+            is not None
+            for e in firing
+        )
+        return {e.rule for e in firing} if explained and firing else set()
+
     def _hold(self, step: int, firing: list[Evidence]) -> bool:
         """Whether ``firing`` (no incident open) waits before it opens one; if so, it is
         held."""
@@ -283,7 +339,7 @@ class Attributor:
         consequence): only a cause's actions run; a consequence's remedy targets a mechanism
         that did not start the fault (a data shift's QK collapse must not roll the run back)."""
         if self.open is None:
-            return True
+            return rule not in self.inhibited
         evidence = [e for e in self.open.evidence if e.rule == rule]
         return not evidence or any(not e.consequence for e in evidence)
 
@@ -323,14 +379,20 @@ class Attributor:
             key = (e.rule, tuple(sorted(e.labels.items())))
             old = current.get(key)
             causes = _causes(current.values())
-            if (old is not None and old.consequence) or (
-                old is None
-                and e.family not in causes
-                and _is_consequence(
-                    e, everything, self.consequence_lag, causes, self.downstream_lag
+            if old is not None and old.consequence:  # stays one while it keeps firing
+                e = dataclasses.replace(e, consequence=True, consequence_of=old.consequence_of)
+            elif old is None and e.family not in causes:
+                why = _consequence_of(
+                    e,
+                    everything,
+                    self.consequence_lag,
+                    causes,
+                    self.downstream_lag,
+                    self.schedule,
+                    self.schedule_lag,
                 )
-            ):
-                e = dataclasses.replace(e, consequence=True)
+                if why is not None:
+                    e = dataclasses.replace(e, consequence=True, consequence_of=why)
             current[key] = e
         incident.evidence = list(current.values())
         # Evidence accumulates while the incident is open, so the family can only be upgraded
@@ -371,6 +433,7 @@ class Attributor:
             "seq": self._seq,
             "count": self._count,
             "held": [dataclasses.asdict(e) for e in self.held],
+            "schedule": self.schedule.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -380,3 +443,4 @@ class Attributor:
         self._count = int(state.get("count", 0))
         self.held = [Evidence(**e) for e in state.get("held", [])]
         self.held_since = min((e.fired_step for e in self.held), default=None)
+        self.schedule.load_state_dict(state.get("schedule", {}))

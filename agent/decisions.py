@@ -47,6 +47,7 @@ def decide(
     ``act=False`` (a round off the training thread: the watchdog) admits no actions; the
     next round on the training thread does, if their rules still fire."""
     engine.store.extend(samples)
+    attributor.observe(samples)  # the learning-rate schedule's steps
     out = Decisions(transitions=engine.evaluate(step, now), problems=engine.take_problems())
     pacing.advance(step)
     if not out.transitions and attributor.open is None and not attributor.holding:

@@ -42,6 +42,7 @@ class Evidence:
     # True when this evidence began after the incident had already damaged the loss: a
     # consequence of the fault, not a second cause (agent/attribution.py)
     consequence: bool = False
+    consequence_of: str = ""  # what explains it, in words, when it is a consequence
 
 
 @dataclass

@@ -26,6 +26,7 @@ from agent.notify.config import NotifyConfig
 from agent.rules.engine import RuleEngine
 from agent.rules.loader import default_rule_files, load_rule_files
 from agent.samples import Sample
+from agent.schedule_steps import SCHEDULE_LAG
 from agent.store import SeriesStore
 from remediations.pacing import Pacing, PacingLimits
 
@@ -35,6 +36,8 @@ class ReplayResult:
     alerts: list[dict[str, Any]] = field(default_factory=list)  # firing / resolved transitions
     incidents: list[dict[str, Any]] = field(default_factory=list)  # incident events
     evaluations: int = 0
+    # the learning-rate schedule's steps seen in the recorded ``lr`` samples (before, at, ratio)
+    schedule_steps: list[tuple[int, int, float]] = field(default_factory=list)
 
     def first_firing(self) -> dict[str, int]:
         """family -> step of the first evaluation at which a rule of that family fired."""
@@ -98,6 +101,7 @@ def replay(
         RunContext(run_name=start.get("run", "replay")),
         monitored_families=monitored,
         symptom_wait=notify.symptom_wait_steps,
+        schedule_lag=int(start.get("schedule_lag", SCHEDULE_LAG)),
     )
     pacing = Pacing(
         lambda request: (PacingLimits(), False),  # never asked: replay admits no actions
@@ -132,6 +136,7 @@ def replay(
             result.incidents.append(
                 {"step": event.step, "event": event.kind, "incident": event.incident.to_dict()}
             )
+    result.schedule_steps = [(s.before, s.at, s.ratio) for s in attributor.schedule.steps]
     return result
 
 
@@ -147,6 +152,8 @@ def cli_replay(argv: list[str]) -> int:
         return 2
     result = replay(args.events, args.rules)
     print(f"{result.evaluations} evaluations replayed")
+    for before, at, ratio in result.schedule_steps:
+        print(f"step {at:>7}  learning rate x{ratio:.3g} (every group, since step {before})")
     for a in result.alerts:
         labels = ",".join(f"{k}={v}" for k, v in a["labels"].items())
         print(f"step {a['step']:>7}  {a['to']:<8} {a['rule']}{{{labels}}}  value={a['value']:.4g}")

@@ -43,6 +43,9 @@ LOSS = "loss"
 LOSS_NONFINITE = "loss_nonfinite"  # 1.0 when the loss is NaN or inf, else 0.0
 GRAD_NORM = "grad_norm"
 SECONDS_SINCE_STEP = "seconds_since_step"  # written by the watchdog
+# the optimizer's learning rate, per parameter group (label "group"), at the symptom read-outs
+# (agent/schedule_steps.py: the attribution's schedule steps)
+LEARNING_RATE = "lr"
 
 
 Labels = tuple[tuple[str, str], ...]  # (name, value) pairs sorted by name

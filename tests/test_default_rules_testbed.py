@@ -45,9 +45,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SupervisedResult
             name: pool.submit(
                 run_supervised,
                 BY_NAME[name].config(0, steps=steps).model_copy(update=knobs),
-                default_agent_config(
-                    root / name, remediate=False, checkpoints={"enabled": False}
-                ),
+                default_agent_config(root / name, remediate=False, checkpoints={"enabled": False}),
             )
             for name, (steps, knobs) in RUNS.items()
         }

@@ -131,6 +131,8 @@ def evidence_line(group: EvidenceGroup, *, mrkdwn: bool) -> str:
     if len(group.items) > 1:
         line += f"; {len(group.items)} places fire (earliest shown)"
     line += f" — rule {quote(group.rule)}, {esc(ev.severity)}"
+    if ev.consequence:
+        line += f"; a consequence, not a cause: {esc(ev.consequence_of or 'see the attribution')}"
     if ev.summary:
         line += f". {esc(ev.summary)}"
     return line

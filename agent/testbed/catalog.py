@@ -74,6 +74,7 @@ CATALOG: tuple[Entry, ...] = (
     _benign("lr_x0.3", lr_change_step=900, lr_change_mult=0.3),
     _benign("lr_x0.1", lr_change_step=900, lr_change_mult=0.1),  # a step decay's cut
     _benign("lr_x2", lr_change_step=900, lr_change_mult=2.0),
+    _benign("lr_cosine", lr_cosine_floor=0.1),  # a cosine decay to a tenth
     _benign("warmup_long", warmup_steps=500),
     _benign("lr_low", lr=3e-3),
     _benign("big_model", model=BIG),
@@ -91,6 +92,9 @@ CATALOG: tuple[Entry, ...] = (
     _fa("fa_start_300", fault_start=300),
     _fa("fa_start_900", fault_start=900, steps=2400),
     _fa("fa_ramp", fa_ramp_steps=500),
+    # a fault that begins at a step decay's cut: written off as the schedule's consequence
+    # (agent/schedule_steps.py), the price of that differential diagnosis
+    _fa("fa_at_lr_cut", fault_start=900, lr_change_step=900, lr_change_mult=0.1, steps=2400),
     _fa("fa_one_layer", fa_layers=(1,)),
     _fa("fa_big_model", model=BIG),
     _fa("fa_gqa_model", model=GQA),

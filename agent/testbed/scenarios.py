@@ -16,7 +16,8 @@ before it, so a run has a healthy start):
 Benign disturbances, on any scenario (healthy change the agent must not take for a fault):
 ``shift_step`` (from then on ``shift_fraction`` of each batch's sequences come from another
 Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one), ``lr_change_step``
-(every learning rate times ``lr_change_mult`` from then on), and the usual knobs (a longer
+(every learning rate times ``lr_change_mult`` from then on), ``lr_cosine_floor`` (a cosine
+decay of every learning rate after the warm-up), and the usual knobs (a longer
 ``warmup_steps``, a lower ``lr``, a bigger ``model``, GQA through ``model.n_kv_heads``).
 
 Shapes of the FA fault: ``fa_layers`` (only these attention layers; None = all) and
@@ -32,6 +33,7 @@ short) that runs in a few seconds, used by the test suite and the demo.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -100,6 +102,13 @@ class ScenarioConfig(BaseModel):
         None, ge=0, description="first step at which every LR is multiplied by lr_change_mult"
     )
     lr_change_mult: float = Field(1.0, gt=0, description="the LR multiplier from lr_change_step")
+    lr_cosine_floor: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="a cosine decay of every LR after the warm-up, to this fraction of it at "
+        "the last step (None: a constant LR)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ScenarioConfig:
@@ -147,9 +156,16 @@ class ScenarioConfig(BaseModel):
         return ((step + 1) * _GOLDEN) % 1.0 < share  # evenly spread faulty steps
 
     def lr_factor(self, step: int) -> float:
-        """The benign LR change's factor at ``step`` (1 before ``lr_change_step``)."""
+        """The benign LR schedule's factor at ``step``: the cosine decay (1 without one) times
+        the LR change (1 before ``lr_change_step``)."""
         changed = self.lr_change_step is not None and step >= self.lr_change_step
-        return self.lr_change_mult if changed else 1.0
+        factor = self.lr_change_mult if changed else 1.0
+        if self.lr_cosine_floor is not None and step >= self.warmup_steps:
+            span = max(1, self.steps - 1 - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+            factor *= self.lr_cosine_floor + (1.0 - self.lr_cosine_floor) * cosine
+        return factor
 
     @classmethod
     def preset(
