@@ -6,9 +6,11 @@ drops layer 0's H(Delta_2) by a third in one evaluation while the update keeps i
 direction (``docs/detection.md``), which is what a biased attention backward looks like too.
 The agent holds the optimizer, so it reads the learning rate rather than guessing:
 
-* ``learning_rate_samples(optimizer, step)``: the ``lr`` of every parameter group, one sample
-  per group (metric ``lr``, label ``group``: the group's ``name`` if it has one, else its
-  index), read at the symptom read-outs (a Python float: no host-device sync; a tensor ``lr``
+* ``learning_rate_samples(optimizer, step)``: the schedule's learning rate of every parameter
+  group, one sample per group (metric ``lr``, label ``group``: the group's ``name`` if it has
+  one, else its index), read at the symptom read-outs. The agent's own ``lower_lr`` is left
+  out (the schedule's value of a group it scaled): its cut and its later relaxing are not the
+  schedule, and a fault that returns after a relaxed cut must still page (a Python float: no host-device sync; a tensor ``lr``
   on an accelerator is skipped rather than synchronized). They go to the event log with the
   other samples, so ``mechwatch replay`` sees the same steps.
 * ``ScheduleSteps`` finds the steps in those samples: between two read-outs, *every* group's
@@ -44,9 +46,11 @@ def learning_rate_samples(optimizer: Any, step: int) -> list[Sample]:
     """One ``lr`` sample per parameter group of ``optimizer`` (see the module docstring)."""
     import torch  # here: the attribution imports this module, and needs no torch
 
+    from remediations.lr import SCHEDULED_LR_KEY
+
     out = []
     for index, group in enumerate(getattr(optimizer, "param_groups", ())):
-        lr = group.get("lr")
+        lr = group.get(SCHEDULED_LR_KEY, group.get("lr"))  # without lower_lr's own scale
         if isinstance(lr, torch.Tensor):
             if lr.device.type != "cpu" or lr.numel() != 1:
                 continue  # reading it would synchronize with the device

@@ -43,6 +43,20 @@ def test_learning_rate_samples_name_each_group_and_skip_what_cannot_be_read_chea
     assert learning_rate_samples(object(), 1) == []  # not an optimizer: nothing
 
 
+def test_the_agents_own_lower_lr_is_not_part_of_the_schedule():
+    from remediations.lr import LRControl
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000, gamma=0.1)
+    control = LRControl()
+    scales, floors = control.plan(optimizer, [0], factor=0.2, min_lr=0.0)
+    control.commit(optimizer, scheduler, scales, floors)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.02)  # what the optimizer uses
+    (sample,) = learning_rate_samples(optimizer, 10)
+    assert sample.value == pytest.approx(0.1)  # what the schedule says
+
+
 def test_a_step_of_every_group_is_a_schedule_step_and_gradual_change_is_not():
     steps = ScheduleSteps()
     schedule = {s: {"a": 1e-3, "b": 2e-3} for s in range(0, 900, 10)}
