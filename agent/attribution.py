@@ -90,7 +90,7 @@ from typing import Any
 
 from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
 from agent.samples import Sample
-from agent.schedule_steps import SCHEDULE_LAG, ScheduleSteps
+from agent.schedule_steps import SCHEDULE_LAG, ScheduleAccount, ScheduleStep, evidence_key
 
 MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 # Symptom evidence that the whole run changed (see the module docstring).
@@ -100,6 +100,7 @@ CONSEQUENCE_LAG = 100  # steps after the loss damage began from which a collapse
 # Steps after the other mechanism's first alert from which a collapse that begins is its
 # downstream effect (see the module docstring).
 DOWNSTREAM_LAG = 500
+SCHEDULE_REASON = "began with a step of the learning-rate schedule"  # (agent/schedule_steps.py)
 _SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
 
@@ -164,13 +165,12 @@ def _consequence_of(
     lag: int,
     causes: set[str] = frozenset(),
     downstream_lag: int | None = DOWNSTREAM_LAG,
-    schedule: ScheduleSteps | None = None,
-    schedule_lag: int = SCHEDULE_LAG,
+    stepped: ScheduleStep | None = None,
 ) -> str | None:
     """What explains mechanism evidence ``e``, in words, when it is a consequence: a change of
-    the whole run (its loss, its controls, its learning-rate ``schedule``) or the damage of the
-    other mechanism, already a cause of the incident (``causes``; see the module docstring).
-    None: ``e`` is a cause."""
+    the whole run (its loss, its controls, the learning-rate schedule's step that explains it,
+    ``stepped``) or the damage of the other mechanism, already a cause of the incident
+    (``causes``; see the module docstring). None: ``e`` is a cause."""
     if e.family not in MECHANISM_FAMILIES:
         return None
     began = e.fired_step
@@ -184,7 +184,6 @@ def _consequence_of(
         (x.fired_step for x in evidence if x.family in other and not x.consequence),
         default=None,
     )
-    stepped = schedule.explaining(onset, schedule_lag) if schedule is not None else None
     if controls is not None and began >= controls:
         return f"the rest of its block's updates collapsed from step {controls}"
     if downstream_lag is not None and other_alerted is not None:
@@ -192,8 +191,8 @@ def _consequence_of(
             return f"began {onset - other_alerted} steps after the {_one(other)} alert"
     if stepped is not None:
         return (
-            f"began with a step of the learning-rate schedule (x{stepped.ratio:.3g} between "
-            f"steps {stepped.before} and {stepped.at})"
+            f"{SCHEDULE_REASON} (x{stepped.ratio:.3g} between steps {stepped.before} and "
+            f"{stepped.at}) and has not moved further since"
         )
     if jump is not None and onset > jump:
         return f"began after the loss jumped at step {jump}"
@@ -242,8 +241,8 @@ class Attributor:
         schedule_lag: int = SCHEDULE_LAG,
     ) -> None:
         self.context = context or RunContext()
-        self.schedule = ScheduleSteps()  # the learning-rate schedule's steps (``observe``)
-        self.schedule_lag = schedule_lag
+        # the learning-rate schedule's steps and what they explain (``observe``)
+        self.schedule = ScheduleAccount(schedule_lag)
         self.inhibited: set[str] = set()  # rules firing on the schedule's account alone
         self.consequence_lag = consequence_lag
         self.downstream_lag = downstream_lag  # None: never by time alone
@@ -263,8 +262,13 @@ class Attributor:
         where the schedule stepped (``agent.schedule_steps``)."""
         self.schedule.observe(samples)
 
+    @property
+    def schedule_lag(self) -> int:
+        return self.schedule.lag
+
     def update(self, step: int, firing: list[Evidence]) -> list[IncidentEvent]:
         """The incident events of one evaluation, from the evidence of every firing alert."""
+        self.schedule.track(step, firing)
         if self.open is None:
             held, self.held, self.held_since = self.held, [], None
             self.inhibited = set()
@@ -305,18 +309,14 @@ class Attributor:
     @property
     def holding(self) -> bool:
         """Symptom evidence fires and is held before it opens an incident (module docstring)."""
-        return self.open is None and self.held_since is not None
+        return self.open is None and (self.held_since is not None or bool(self.inhibited))
 
     def _inhibited(self, firing: list[Evidence]) -> set[str]:
         """The rules of ``firing`` when all of it is mechanism evidence that began with a step
         of the learning-rate schedule (then it opens no incident: the module docstring's
         inhibition); else the empty set."""
         explained = all(
-            e.family in MECHANISM_FAMILIES
-            and self.schedule.explaining(
-                e.onset_step if e.onset_step is not None else e.fired_step, self.schedule_lag
-            )
-            is not None
+            e.family in MECHANISM_FAMILIES and self.schedule.explaining(e) is not None
             for e in firing
         )
         return {e.rule for e in firing} if explained and firing else set()
@@ -379,17 +379,21 @@ class Attributor:
             key = (e.rule, tuple(sorted(e.labels.items())))
             old = current.get(key)
             causes = _causes(current.values())
-            if old is not None and old.consequence:  # stays one while it keeps firing
+            # A consequence stays one while it keeps firing, unless the schedule step that
+            # explained it no longer does (it kept falling: ``agent.schedule_steps``).
+            lapsed = old is not None and evidence_key(e) in self.schedule.lapsed
+            by_schedule = old is not None and old.consequence_of.startswith(SCHEDULE_REASON)
+            if old is not None and old.consequence and not (lapsed and by_schedule):
                 e = dataclasses.replace(e, consequence=True, consequence_of=old.consequence_of)
-            elif old is None and e.family not in causes:
+            elif (old is None or old.consequence) and e.family not in causes:
+                stepped = self.schedule.explaining(e)
                 why = _consequence_of(
                     e,
                     everything,
                     self.consequence_lag,
                     causes,
                     self.downstream_lag,
-                    self.schedule,
-                    self.schedule_lag,
+                    stepped,
                 )
                 if why is not None:
                     e = dataclasses.replace(e, consequence=True, consequence_of=why)

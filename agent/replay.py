@@ -136,7 +136,7 @@ def replay(
             result.incidents.append(
                 {"step": event.step, "event": event.kind, "incident": event.incident.to_dict()}
             )
-    result.schedule_steps = [(s.before, s.at, s.ratio) for s in attributor.schedule.steps]
+    result.schedule_steps = [(s.before, s.at, s.ratio) for s in attributor.schedule.steps.steps]
     return result
 
 

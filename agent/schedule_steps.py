@@ -10,20 +10,30 @@ The agent holds the optimizer, so it reads the learning rate rather than guessin
   group, one sample per group (metric ``lr``, label ``group``: the group's ``name`` if it has
   one, else its index), read at the symptom read-outs. The agent's own ``lower_lr`` is left
   out (the schedule's value of a group it scaled): its cut and its later relaxing are not the
-  schedule, and a fault that returns after a relaxed cut must still page (a Python float: no host-device sync; a tensor ``lr``
-  on an accelerator is skipped rather than synchronized). They go to the event log with the
-  other samples, so ``mechwatch replay`` sees the same steps.
+  schedule, and a fault that returns after a relaxed cut must still page. A Python float: no
+  host-device sync (a tensor ``lr`` on an accelerator is skipped rather than synchronized).
+  They go to the event log with the other samples, so ``mechwatch replay`` sees the same
+  steps.
 * ``ScheduleSteps`` finds the steps in those samples: between two read-outs, *every* group's
   learning rate moved by ``ratio`` (default 2) or more, the same way. A change of one group
   only (a router's learning rate raised on its own) is not a schedule step: it moves one
   mechanism, and is exactly what a router fault can be.
 
-The attribution (``agent.attribution``) counts mechanism evidence whose onset lies after the
-last read-out before a schedule step and at most ``lag`` steps after the first read-out that
-showed it as a consequence of the schedule, like a collapse that follows a loss jump: it stays
-evidence and is paged, but it names no mechanism and runs no remedy. The step itself opens no
-incident and pages nothing (a scheduled step is not news). The price: a fault that begins
-within that window of a step is attributed ``unattributed`` (benchmarks/results).
+* ``ScheduleAccount`` says which firing mechanism evidence a step explains: its onset lies
+  after the last read-out before the step and at most ``lag`` steps after the first read-out
+  that showed it, *and* it has not fallen further since. A step of the learning rate shifts
+  the update spectra's level once; a fault that begins with it keeps them moving. So each
+  explained alert's level is kept (its most extreme value while it fired within the step's
+  window, or when it first fired, if later), and the explanation lapses for good once the
+  value moves ``1 - lapse`` (a fifth) beyond that level in the alert's direction (Evidence
+  ``trend``): a healthy cut x0.1 leaves H(Delta_2) at a new level (1.37, then 1.31-1.59 nats
+  on the test bed), an FA fault that starts with it keeps falling (1.02, 0.90, ... 0.79).
+
+The attribution (``agent.attribution``) counts explained evidence as a consequence of the
+schedule, like a collapse that follows a loss jump: it stays evidence, names no mechanism and
+runs no remedy; alone it opens no incident (a scheduled step is not news). Once its
+explanation lapses it is a cause like any other. The price: a fault that begins with a step is
+named later, after a further fall (benchmarks/results/detection_schedule_135.md).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from agent.incidents import Evidence
 from agent.samples import LEARNING_RATE, Sample
 
 STEP_RATIO = 2.0  # a schedule step: every group's learning rate changed by this factor or more
@@ -40,6 +51,9 @@ STEP_RATIO = 2.0  # a schedule step: every group's learning rate changed by this
 # first of which spans the step. The agent sets 2 x qk.delta (``Agent``).
 SCHEDULE_LAG = 50
 _HISTORY = 64  # schedule steps kept (a warm-restart schedule steps every few thousand steps)
+# An explained alert whose value moves this far beyond its level (x0.8 falling, /0.8 rising) is
+# no longer the step's doing: the shipped QK rules' clear ratio (0.8), the other way.
+LAPSE = 0.8
 
 
 def learning_rate_samples(optimizer: Any, step: int) -> list[Sample]:
@@ -128,3 +142,64 @@ class ScheduleSteps:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last = {g: (int(v[0]), float(v[1])) for g, v in state.get("last", {}).items()}
         self.steps = [ScheduleStep(**s) for s in state.get("steps", [])]
+
+
+def evidence_key(e: Evidence) -> str:
+    """One alert's identity across rounds: its rule and labels."""
+    return e.rule + "|" + ",".join(f"{k}={v}" for k, v in sorted(e.labels.items()))
+
+
+class ScheduleAccount:
+    """Which firing mechanism evidence the schedule's steps explain (module docstring).
+    ``observe`` every round's samples, ``track`` every round's firing evidence, then ask
+    ``explaining``."""
+
+    def __init__(self, lag: int = SCHEDULE_LAG, lapse: float = LAPSE) -> None:
+        if not 0.0 < lapse < 1.0:
+            raise ValueError(f"lapse must be in (0, 1), got {lapse}")
+        self.lag = lag
+        self.lapse = lapse
+        self.steps = ScheduleSteps()
+        self.levels: dict[str, float] = {}  # evidence key -> its level after the step
+        self.lapsed: set[str] = set()  # evidence keys the schedule no longer explains
+
+    def observe(self, samples: list[Sample]) -> None:
+        self.steps.observe(samples)
+
+    def _step_of(self, e: Evidence) -> ScheduleStep | None:
+        onset = e.onset_step if e.onset_step is not None else e.fired_step
+        return self.steps.explaining(onset, self.lag)
+
+    def track(self, step: int, firing: list[Evidence]) -> None:
+        """One round's firing evidence: keep the levels, find the lapses."""
+        for e in firing:
+            key = evidence_key(e)
+            stepped = self._step_of(e)
+            if stepped is None or key in self.lapsed or e.trend not in ("falling", "rising"):
+                continue
+            sign = 1.0 if e.trend == "falling" else -1.0  # the alert's direction
+            level = self.levels.get(key)
+            if level is None or step <= stepped.at + self.lag:
+                self.levels[key] = (
+                    e.value if level is None else sign * min(sign * level, sign * e.value)
+                )
+                continue
+            beyond = level * self.lapse if sign > 0 else level / self.lapse
+            if level > 0 and sign * e.value < sign * beyond:
+                self.lapsed.add(key)
+
+    def explaining(self, e: Evidence) -> ScheduleStep | None:
+        """The schedule step that explains ``e``, if one does (not lapsed)."""
+        return None if evidence_key(e) in self.lapsed else self._step_of(e)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.steps.state_dict(),
+            "levels": dict(self.levels),
+            "lapsed": sorted(self.lapsed),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps.load_state_dict(state)
+        self.levels = {k: float(v) for k, v in state.get("levels", {}).items()}
+        self.lapsed = set(state.get("lapsed", []))

@@ -4,6 +4,7 @@ mechanism collapse that begins with one is the schedule's consequence (agent/sch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,12 @@ from agent.attribution import Attributor
 from agent.incidents import Evidence, RunContext
 from agent.notify.render import render_text
 from agent.samples import LEARNING_RATE, Sample
-from agent.schedule_steps import ScheduleStep, ScheduleSteps, learning_rate_samples
+from agent.schedule_steps import (
+    ScheduleAccount,
+    ScheduleStep,
+    ScheduleSteps,
+    learning_rate_samples,
+)
 
 
 def _lr(step: int, **groups: float) -> list[Sample]:
@@ -105,17 +111,18 @@ def test_state_round_trips_through_json():
         ScheduleSteps(ratio=1.0)
 
 
-def _qk(onset: int, fired: int) -> Evidence:
+def _qk(onset: int, fired: int, value: float = 1.3) -> Evidence:
     return Evidence(
         rule="qk_delta2_entropy_collapse",
         metric="qk_delta2_entropy",
         labels={"layer": "blocks.0.attn"},
         family="fa_precision",
         severity="warning",
-        value=1.3,
+        value=value,
         baseline=2.0,
         onset_step=onset,
         fired_step=fired,
+        trend="falling",
     )
 
 
@@ -159,10 +166,64 @@ def test_other_evidence_opens_the_incident_with_the_schedules_collapse_as_a_cons
     assert opened.kind == "opened"
     assert opened.incident.family == "unattributed"
     (collapse,) = [e for e in opened.incident.evidence if e.rule == qk.rule]
-    why = "began with a step of the learning-rate schedule (x0.1 between steps 890 and 900)"
+    why = (
+        "began with a step of the learning-rate schedule (x0.1 between steps 890 and 900) and "
+        "has not moved further since"
+    )
     assert collapse.consequence and collapse.consequence_of == why
     assert not att.causes(qk.rule)
     assert f"a consequence, not a cause: {why}" in render_text(opened)  # the page says why
+
+
+# H(Delta_2) of layer 0 on the test bed after an LR cut x0.1 at step 900 (seed 132, the
+# tuning seed; one value per round, 5 steps after each evaluation): healthy, the cut leaves it
+# at a new level; with an FA fault that starts with the cut, it keeps falling.
+HEALTHY = {955: 1.42, 980: 1.31, 1005: 1.5, 1030: 1.49, 1055: 1.48, 1080: 1.51, 1105: 1.56}
+FAULTY = {955: 1.02, 980: 0.9, 1005: 0.98, 1030: 0.88, 1055: 0.95, 1080: 0.86, 1105: 0.88}
+FAULTY_LATER = {1130: 0.79, 1155: 0.8}
+
+
+def test_a_level_shift_stays_explained_and_a_further_fall_lapses_to_a_cause():
+    healthy, faulty = _attributor_with_cut(900), _attributor_with_cut(900)
+    for step, value in HEALTHY.items():
+        assert healthy.update(step, [_qk(925, 955, value)]) == []
+    for step, value in FAULTY.items():
+        assert faulty.update(step, [_qk(925, 955, value)]) == []  # above 0.8 x 1.02
+    assert faulty.schedule.levels == {"qk_delta2_entropy_collapse|layer=blocks.0.attn": 1.02}
+    (opened,) = faulty.update(1130, [_qk(925, 955, FAULTY_LATER[1130])])  # under 0.816
+    assert opened.incident.family == "fa_precision"
+    assert not opened.incident.evidence[0].consequence
+    assert faulty.causes("qk_delta2_entropy_collapse")  # its remedies run now
+    assert faulty.update(1155, [_qk(925, 955, FAULTY_LATER[1155])]) == []
+    assert healthy.open is None and not healthy.causes("qk_delta2_entropy_collapse")
+
+
+def test_a_consequence_of_the_schedule_that_lapses_escalates_the_open_incident():
+    att = _attributor_with_cut(900)
+    loss = _loss_rise(onset=950, fired=980)
+    assert att.update(955, [_qk(925, 955, 1.02)]) == []
+    (opened,) = att.update(980, [_qk(925, 955, 0.9), loss])
+    assert opened.incident.family == "unattributed"
+    assert att.update(1005, [_qk(925, 955, 0.98), loss]) == []
+    (escalated,) = att.update(1130, [_qk(925, 955, 0.79), loss])
+    assert escalated.kind == "escalated"
+    assert escalated.incident.family == "fa_precision"
+
+
+def test_a_rising_alert_lapses_when_it_rises_a_quarter_beyond_its_level():
+    account = ScheduleAccount(lag=50)
+    _feed(account.steps, {s: {"a": 1e-3 if s < 900 else 1e-4} for s in range(0, 1000, 10)})
+    rising = dataclasses.replace(_qk(925, 955), trend="rising")
+    for step, value in ((955, 2.0), (1000, 2.4), (1100, 2.49)):
+        account.track(step, [dataclasses.replace(rising, value=value)])
+        assert account.explaining(rising) is not None
+    account.track(1125, [dataclasses.replace(rising, value=2.51)])  # over 2.0 / 0.8
+    assert account.explaining(rising) is None
+    again = ScheduleAccount(lag=50)
+    again.load_state_dict(json.loads(json.dumps(account.state_dict())))
+    assert again.explaining(rising) is None and again.levels == account.levels
+    with pytest.raises(ValueError, match="lapse"):
+        ScheduleAccount(lapse=1.0)
 
 
 @pytest.mark.parametrize(
@@ -208,7 +269,7 @@ def test_the_agent_logs_every_groups_learning_rate_and_finds_the_cut(tmp_path):
     with Agent(run.model, run.optimizer, run.scheduler, config) as agent:
         for step in range(60):
             agent.step(step, loss=run.step())
-        seen = [(s.before, s.at) for s in agent.attributor.schedule.steps]
+        seen = [(s.before, s.at) for s in agent.attributor.schedule.steps.steps]
     # linear warm-up x6 from the read-out at 0 to the one at 10, the cut x0.1 at step 40
     assert seen == [(0, 10), (30, 40)]
     events = read_events(tmp_path / "run/events.jsonl")

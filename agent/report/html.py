@@ -129,7 +129,12 @@ def _incidents(t: RunTimeline) -> str:
                 _text(e.get("baseline")),
                 _text(e.get("onset_step")),
                 _text(e.get("fired_step")),
-                "consequence" if e.get("consequence") else "cause",
+                (
+                    "consequence"
+                    + (f" ({_text(e['consequence_of'])})" if e.get("consequence_of") else "")
+                    if e.get("consequence")
+                    else "cause"
+                ),
             )
             for e in incident.get("evidence") or []
         ]
