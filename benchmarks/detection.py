@@ -12,8 +12,10 @@ per-step losses). Each fault run's clean twin (same seed and knobs, no fault) is
 processes at a time, one torch thread each.
 
 ``report``: replays every recorded run through the rule files (``mechwatch replay``: the same
-decisions the live agent makes) and puts, side by side per run: the first mechanism alert and
-its family, the family of the first page and at the end of the run, the loss detectors people
+decisions the live agent makes) and puts, side by side per run: the first mechanism alert
+(``first_alert``) and its family, the first page that names a mechanism (``first_mech``: what
+the lead times count; an alert the attribution writes off pages nothing), the family of the
+first page and at the end of the run, the loss detectors people
 use today on the same losses (``agent.testbed.loss_baselines``), the clean twin's degradation
 step and the loss divergence; then the totals against the targets. Tune on ``--seeds tuning``,
 report on ``--seeds evaluation`` (the default).

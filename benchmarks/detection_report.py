@@ -19,6 +19,7 @@ from agent.testbed.scenarios import ScenarioConfig
 from remediations.registry import validate_action
 
 MECHANISMS = ("fa_precision", "router_instability")
+NAMING = (*MECHANISMS, "combined")  # incident families that name a mechanism
 WARMUP = 100  # loss detectors on benign runs count from here (the LR warm-up)
 
 
@@ -40,7 +41,13 @@ def evaluate_run(
     replayed = replay(folder / "events.jsonl", rules, action_validator=validate_action)
     first = replayed.first_firing()
     mech = {f: first[f] for f in MECHANISMS if f in first}
-    first_mech = min(mech.values()) if mech else None
+    first_alert = min(mech.values()) if mech else None
+    # What a user sees: the first page that names a mechanism (an alert the attribution writes
+    # off, such as one a schedule step explains, pages nothing).
+    first_mech = min(
+        (e["step"] for e in replayed.incidents if e["incident"]["family"] in NAMING),
+        default=None,
+    )
     opened = [i for i in replayed.incidents if i["event"] == "opened"]
     mechanism_incidents = sorted(
         {
@@ -59,8 +66,9 @@ def evaluate_run(
         "seed": seed,
         "expected": entry.expected,
         "fault_start": config.fault_start if harmful_entry else None,
-        "first_mech": first_mech,
+        "first_alert": first_alert,
         "first_family": min(mech, key=mech.get) if mech else None,
+        "first_mech": first_mech,
         "onset": opened[0]["incident"]["onset_step"] if opened else None,
         "paged_as": replayed.paged_attribution(),
         "at_end": replayed.attribution(),
@@ -101,8 +109,9 @@ COLUMNS = [
     "scenario",
     "seed",
     "fault_start",
-    "first_mech",
+    "first_alert",
     "first_family",
+    "first_mech",
     "onset",
     "paged_as",
     "at_end",
@@ -144,7 +153,7 @@ def totals(rows: list[dict[str, Any]]) -> list[str]:
         + (f" ({false_runs})" if false else ""),
         f"- harmful faults attributed right at the first page: {len(right_first)} of "
         f"{len(harmful)}; at the end of the run: {len(right_end)} of {len(harmful)} [all]",
-        f"- harmful FA runs whose first mechanism alert beat every loss detector: "
+        f"- harmful FA runs whose first page naming a mechanism beat every loss detector: "
         f"{len(fa_ahead)} of {len(fa)} [90%] ({len(no_loss_alarm)} of them: no loss detector "
         "fired in the run)",
         f"- median lead share (divergence - first alert) / (divergence - fault), FA runs that "
@@ -161,9 +170,9 @@ def totals(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def silent_phase(rows: list[dict[str, Any]]) -> list[str]:
-    """Fault strength (bits) x LR: median steps from the first mechanism alert to the earliest
-    loss detector, the clean twin's degradation and the divergence (positive: the mechanism
-    came first), and how many runs of the cell were harmful."""
+    """Fault strength (bits) x LR: median steps from the first page naming a mechanism to the
+    earliest loss detector, the clean twin's degradation and the divergence (positive: the
+    mechanism came first), and how many runs of the cell were harmful."""
     cells: dict[tuple[float, int], list[dict[str, Any]]] = {}
     for r in rows:
         if not r["scenario"].startswith(("fa_floor_", "sweep_lr")) or r["bits"] is None:

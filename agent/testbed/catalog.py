@@ -141,6 +141,9 @@ def twin(config: ScenarioConfig) -> ScenarioConfig:
     return config.model_copy(update=_FAULT_FREE)
 
 
+_LATER_KNOBS = ("lr_cosine_floor",)  # scenario knobs added after twins were first recorded
+
+
 def twin_key(config: ScenarioConfig) -> str:
     """A stable key of a fault-free run (what recordings of twins are named by)."""
     import hashlib
@@ -149,5 +152,8 @@ def twin_key(config: ScenarioConfig) -> str:
     fields = twin(config).model_dump(mode="json")
     for name in ("fa_sites", "fa_bits", "fa_mode", "fault_start"):
         fields.pop(name)  # no fault: these do not change the run
+    for name in _LATER_KNOBS:  # knobs added since: at their default, the keys stay as they were
+        if fields.get(name) is None:
+            fields.pop(name, None)
     text = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
