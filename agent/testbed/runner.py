@@ -114,9 +114,12 @@ class TestbedRun:
     @property
     def batch_size(self) -> int:
         """Sequences in the current step's batch (the router fault may shrink it)."""
-        if self.router_fault_active and self.config.fault_batch_size is not None:
-            return self.config.fault_batch_size
-        return self.config.batch_size
+        cfg = self.config
+        if self.router_fault_active and cfg.fault_batch_size is not None:
+            return cfg.fault_batch_size
+        if cfg.batch_change_step is not None and self.step_index >= cfg.batch_change_step:
+            return cfg.batch_change_size or cfg.batch_size
+        return cfg.batch_size
 
     def lr(self, group: str = OTHER_GROUP) -> float:
         for g in self.optimizer.param_groups:

@@ -17,7 +17,8 @@ Benign disturbances, on any scenario (healthy change the agent must not take for
 ``shift_step`` (from then on ``shift_fraction`` of each batch's sequences come from another
 Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one), ``lr_change_step``
 (every learning rate times ``lr_change_mult`` from then on), ``lr_cosine_floor`` (a cosine
-decay of every learning rate after the warm-up), and the usual knobs (a longer
+decay of every learning rate after the warm-up), ``batch_change_step`` (the batch becomes
+``batch_change_size`` sequences from then on: a batch-size ramp's step), and the usual knobs (a longer
 ``warmup_steps``, a lower ``lr``, a bigger ``model``, GQA through ``model.n_kv_heads``).
 
 Shapes of the FA fault: ``fa_layers`` (only these attention layers; None = all) and
@@ -102,6 +103,12 @@ class ScenarioConfig(BaseModel):
         None, ge=0, description="first step at which every LR is multiplied by lr_change_mult"
     )
     lr_change_mult: float = Field(1.0, gt=0, description="the LR multiplier from lr_change_step")
+    batch_change_step: int | None = Field(
+        None, ge=0, description="first step with batch_change_size sequences per step (healthy)"
+    )
+    batch_change_size: int | None = Field(
+        None, ge=1, description="the batch from batch_change_step on (a batch-size ramp's step)"
+    )
     lr_cosine_floor: float | None = Field(
         None,
         gt=0,
