@@ -142,7 +142,8 @@ def twin(config: ScenarioConfig) -> ScenarioConfig:
     return config.model_copy(update=_FAULT_FREE)
 
 
-_LATER_KNOBS = ("lr_cosine_floor", "batch_change_step", "batch_change_size")  # scenario knobs added after twins were first recorded
+# scenario knobs added after twins were first recorded
+_LATER_KNOBS = ("lr_cosine_floor", "batch_change_step", "batch_change_size")
 
 
 def twin_key(config: ScenarioConfig) -> str:

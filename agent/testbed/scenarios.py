@@ -18,8 +18,9 @@ Benign disturbances, on any scenario (healthy change the agent must not take for
 Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one), ``lr_change_step``
 (every learning rate times ``lr_change_mult`` from then on), ``lr_cosine_floor`` (a cosine
 decay of every learning rate after the warm-up), ``batch_change_step`` (the batch becomes
-``batch_change_size`` sequences from then on: a batch-size ramp's step), and the usual knobs (a longer
-``warmup_steps``, a lower ``lr``, a bigger ``model``, GQA through ``model.n_kv_heads``).
+``batch_change_size`` sequences from then on: a batch-size ramp's step), and the usual knobs
+(a longer ``warmup_steps``, a lower ``lr``, a bigger ``model``, GQA through
+``model.n_kv_heads``).
 
 Shapes of the FA fault: ``fa_layers`` (only these attention layers; None = all) and
 ``fa_ramp_steps`` (the share of faulty steps grows linearly from 0 at ``fault_start`` to 1 at
