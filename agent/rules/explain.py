@@ -70,6 +70,7 @@ KNOWN_METRICS: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     **dict.fromkeys(("loss", "loss_nonfinite", "grad_norm"), ((), "every step")),
     "seconds_since_step": ((), "every watchdog.check_every_s seconds (30)"),
+    "lr": (("group",), "every symptoms.every steps (10), when the agent has the optimizer"),
 }
 
 FAMILY_WORDS = {
