@@ -250,11 +250,11 @@ def test_the_schedule_survives_the_attributors_state_round_trip():
     Attributor(RunContext()).load_state_dict(older)  # a state saved before it loads
 
 
-def test_the_agent_logs_every_groups_learning_rate_and_finds_the_cut(tmp_path):
+def test_the_agent_logs_every_groups_learning_rate_and_finds_the_cut(tmp_path, capsys):
     from agent.agent import Agent
     from agent.config import AgentConfig
     from agent.eventlog import read_events
-    from agent.replay import replay
+    from agent.replay import cli_replay, replay
     from agent.testbed.runner import TestbedRun
     from agent.testbed.scenarios import ScenarioConfig
 
@@ -287,3 +287,7 @@ def test_the_agent_logs_every_groups_learning_rate_and_finds_the_cut(tmp_path):
     assert by_step[40] / by_step[30] == pytest.approx(0.42 * 0.1 / 0.32)  # warm-up x cut
     replayed = replay(tmp_path / "run/events.jsonl")  # replay finds the same steps
     assert [(before, at) for before, at, _ in replayed.schedule_steps] == seen
+    assert cli_replay([str(tmp_path / "run/events.jsonl")]) == 0
+    assert (
+        "step      40  learning rate x0.131 (every group, since step 30)" in capsys.readouterr().out
+    )
