@@ -71,6 +71,8 @@ CATALOG: tuple[Entry, ...] = (
     _benign("control_dQK_6", "control", fa_sites=("dQK",), fa_bits=6),
     _benign("data_shift", shift_step=900, shift_fraction=1.0),
     _benign("data_shift_mild", shift_step=900, shift_fraction=0.25),
+    # both chains from the start, their proportions flip at 900 (a data-mixture step)
+    _benign("mixture_step", shift_step=900, shift_fraction=0.75, mix_fraction_before=0.25),
     _benign("lr_x0.3", lr_change_step=900, lr_change_mult=0.3),
     _benign("lr_x0.1", lr_change_step=900, lr_change_mult=0.1),  # a step decay's cut
     _benign("lr_x2", lr_change_step=900, lr_change_mult=2.0),
@@ -143,7 +145,7 @@ def twin(config: ScenarioConfig) -> ScenarioConfig:
 
 
 # scenario knobs added after twins were first recorded
-_LATER_KNOBS = ("lr_cosine_floor", "batch_change_step", "batch_change_size")
+_LATER_KNOBS = ("lr_cosine_floor", "batch_change_step", "batch_change_size", "mix_fraction_before")
 
 
 def twin_key(config: ScenarioConfig) -> str:

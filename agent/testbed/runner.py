@@ -150,12 +150,14 @@ class TestbedRun:
         return self.last_loss
 
     def _batch(self, step: int) -> Tensor:
-        """(B, T+1) tokens; after ``shift_step`` the first ``shift_fraction`` of the sequences
-        come from the other chain."""
+        """(B, T+1) tokens; from ``shift_step`` on the first ``shift_fraction`` of the sequences
+        come from the other chain (before it ``mix_fraction_before``, if set)."""
         cfg, n = self.config, self.batch_size
-        if self.shifted_source is None or step < (cfg.shift_step or 0):
+        before = step < (cfg.shift_step or 0)
+        share = (cfg.mix_fraction_before or 0.0) if before else cfg.shift_fraction
+        if self.shifted_source is None or share == 0.0:
             return self.source.batch(n, cfg.model.seq_len, self.generator)
-        shifted = max(1, round(cfg.shift_fraction * n))
+        shifted = min(n, max(1, round(share * n)))
         parts = [self.shifted_source.batch(shifted, cfg.model.seq_len, self.generator)]
         if shifted < n:
             parts.append(self.source.batch(n - shifted, cfg.model.seq_len, self.generator))

@@ -15,7 +15,9 @@ before it, so a run has a healthy start):
 
 Benign disturbances, on any scenario (healthy change the agent must not take for a fault):
 ``shift_step`` (from then on ``shift_fraction`` of each batch's sequences come from another
-Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one), ``lr_change_step``
+Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one; with
+``mix_fraction_before`` that share before it: a mixture that changes its proportions),
+``lr_change_step``
 (every learning rate times ``lr_change_mult`` from then on), ``lr_cosine_floor`` (a cosine
 decay of every learning rate after the warm-up), ``batch_change_step`` (the batch becomes
 ``batch_change_size`` sequences from then on: a batch-size ramp's step), and the usual knobs
@@ -99,6 +101,13 @@ class ScenarioConfig(BaseModel):
     shift_data_seed: int = Field(4321, description="seed of the chain the data shifts to")
     shift_fraction: float = Field(
         1.0, gt=0, le=1, description="share of each batch's sequences from the other chain"
+    )
+    mix_fraction_before: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="share of each batch's sequences from the other chain before shift_step "
+        "(None: none; a data mixture that changes its proportions at shift_step)",
     )
     lr_change_step: int | None = Field(
         None, ge=0, description="first step at which every LR is multiplied by lr_change_mult"
