@@ -77,6 +77,7 @@ CATALOG: tuple[Entry, ...] = (
     _benign("lr_x0.1", lr_change_step=900, lr_change_mult=0.1),  # a step decay's cut
     _benign("lr_x2", lr_change_step=900, lr_change_mult=2.0),
     _benign("lr_cosine", lr_cosine_floor=0.1),  # a cosine decay to a tenth
+    _benign("seq_len_x4", short_seq_len=16, short_seq_until=900),  # a length curriculum's step
     _benign("batch_x2", batch_change_step=900, batch_change_size=32, steps=1500),  # a ramp step
     _benign("warmup_long", warmup_steps=500),
     _benign("lr_low", lr=3e-3),
@@ -145,7 +146,14 @@ def twin(config: ScenarioConfig) -> ScenarioConfig:
 
 
 # scenario knobs added after twins were first recorded
-_LATER_KNOBS = ("lr_cosine_floor", "batch_change_step", "batch_change_size", "mix_fraction_before")
+_LATER_KNOBS = (
+    "lr_cosine_floor",
+    "batch_change_step",
+    "batch_change_size",
+    "mix_fraction_before",
+    "short_seq_len",
+    "short_seq_until",
+)
 
 
 def twin_key(config: ScenarioConfig) -> str:

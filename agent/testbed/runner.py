@@ -153,14 +153,17 @@ class TestbedRun:
         """(B, T+1) tokens; from ``shift_step`` on the first ``shift_fraction`` of the sequences
         come from the other chain (before it ``mix_fraction_before``, if set)."""
         cfg, n = self.config, self.batch_size
+        t = cfg.model.seq_len
+        if cfg.short_seq_len is not None and step < (cfg.short_seq_until or 0):
+            t = min(t, cfg.short_seq_len)  # a sequence-length curriculum's short phase
         before = step < (cfg.shift_step or 0)
         share = (cfg.mix_fraction_before or 0.0) if before else cfg.shift_fraction
         if self.shifted_source is None or share == 0.0:
-            return self.source.batch(n, cfg.model.seq_len, self.generator)
+            return self.source.batch(n, t, self.generator)
         shifted = min(n, max(1, round(share * n)))
-        parts = [self.shifted_source.batch(shifted, cfg.model.seq_len, self.generator)]
+        parts = [self.shifted_source.batch(shifted, t, self.generator)]
         if shifted < n:
-            parts.append(self.source.batch(n - shifted, cfg.model.seq_len, self.generator))
+            parts.append(self.source.batch(n - shifted, t, self.generator))
         return torch.cat(parts)
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,9 @@ Markov chain, ``shift_data_seed``: 1.0 a full data shift, less a milder one; wit
 ``lr_change_step``
 (every learning rate times ``lr_change_mult`` from then on), ``lr_cosine_floor`` (a cosine
 decay of every learning rate after the warm-up), ``batch_change_step`` (the batch becomes
-``batch_change_size`` sequences from then on: a batch-size ramp's step), and the usual knobs
+``batch_change_size`` sequences from then on: a batch-size ramp's step), ``short_seq_len``
+(sequences of that length until ``short_seq_until``: a sequence-length curriculum's step), and
+the usual knobs
 (a longer ``warmup_steps``, a lower ``lr``, a bigger ``model``, GQA through
 ``model.n_kv_heads``).
 
@@ -108,6 +110,12 @@ class ScenarioConfig(BaseModel):
         le=1,
         description="share of each batch's sequences from the other chain before shift_step "
         "(None: none; a data mixture that changes its proportions at shift_step)",
+    )
+    short_seq_len: int | None = Field(
+        None, ge=2, description="sequence length before short_seq_until (a length curriculum)"
+    )
+    short_seq_until: int | None = Field(
+        None, ge=0, description="first step with full-length sequences (model.seq_len)"
     )
     lr_change_step: int | None = Field(
         None, ge=0, description="first step at which every LR is multiplied by lr_change_mult"
