@@ -62,9 +62,10 @@ Inhibition (Alertmanager's ``inhibit_rules``): while no incident is open and eve
 alert is mechanism evidence that began with a step of the learning-rate schedule, no incident
 opens: nothing is paged and no action runs (the alerts are in the event log). A step decay's
 cut is the user's own doing, not news. When other evidence fires (a loss rise, another
-mechanism), the incident opens with that evidence kept as a consequence. The price: a fault
-that begins within a schedule step's window is paged only once the loss shows it, as
-``unattributed``.
+mechanism), the incident opens with that evidence kept as a consequence. A step shifts a
+level once: an explained alert that moves a fifth beyond its level after the step is no longer
+explained (``agent.schedule_steps``), and pages as a cause. The price: a fault that begins with
+a step is named only after that further fall (180-305 steps after it on the test bed).
 
 Symptom wait (Alertmanager's ``group_wait``): a new incident whose evidence is only symptoms
 below ``critical`` (a loss rise or spike, a gradient-norm spike) is held ``symptom_wait`` steps
@@ -90,7 +91,7 @@ from typing import Any
 
 from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
 from agent.samples import Sample
-from agent.schedule_steps import SCHEDULE_LAG, ScheduleAccount, ScheduleStep, evidence_key
+from agent.schedule_steps import SCHEDULE_LAG, ScheduleAccount, ScheduleStep
 
 MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 # Symptom evidence that the whole run changed (see the module docstring).
@@ -381,7 +382,7 @@ class Attributor:
             causes = _causes(current.values())
             # A consequence stays one while it keeps firing, unless the schedule step that
             # explained it no longer does (it kept falling: ``agent.schedule_steps``).
-            lapsed = old is not None and evidence_key(e) in self.schedule.lapsed
+            lapsed = old is not None and self.schedule.has_lapsed(e)
             by_schedule = old is not None and old.consequence_of.startswith(SCHEDULE_REASON)
             if old is not None and old.consequence and not (lapsed and by_schedule):
                 e = dataclasses.replace(e, consequence=True, consequence_of=old.consequence_of)

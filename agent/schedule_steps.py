@@ -160,8 +160,11 @@ class ScheduleAccount:
         self.lag = lag
         self.lapse = lapse
         self.steps = ScheduleSteps()
-        self.levels: dict[str, float] = {}  # evidence key -> its level after the step
-        self.lapsed: set[str] = set()  # evidence keys the schedule no longer explains
+        # evidence key -> (the explaining step's ``at``, the alert's level after that step)
+        self.levels: dict[str, tuple[int, float]] = {}
+        # evidence key -> the ``at`` of the step that no longer explains it (a later step of
+        # a step decay may explain the same alert afresh)
+        self.lapsed: dict[str, int] = {}
 
     def observe(self, samples: list[Sample]) -> None:
         self.steps.observe(samples)
@@ -175,31 +178,41 @@ class ScheduleAccount:
         for e in firing:
             key = evidence_key(e)
             stepped = self._step_of(e)
-            if stepped is None or key in self.lapsed or e.trend not in ("falling", "rising"):
+            if stepped is None or e.trend not in ("falling", "rising"):
+                continue
+            if self.lapsed.get(key) == stepped.at:
                 continue
             sign = 1.0 if e.trend == "falling" else -1.0  # the alert's direction
-            level = self.levels.get(key)
-            if level is None or step <= stepped.at + self.lag:
-                self.levels[key] = (
-                    e.value if level is None else sign * min(sign * level, sign * e.value)
-                )
-                continue
-            beyond = level * self.lapse if sign > 0 else level / self.lapse
-            if level > 0 and sign * e.value < sign * beyond:
-                self.lapsed.add(key)
+            at, level = self.levels.get(key, (None, None))
+            if at != stepped.at or level is None:  # first seen since this step
+                self.levels[key] = (stepped.at, e.value)
+            elif step <= stepped.at + self.lag:  # within the step's window
+                self.levels[key] = (at, sign * min(sign * level, sign * e.value))
+            else:
+                beyond = level * self.lapse if sign > 0 else level / self.lapse
+                if level > 0 and sign * e.value < sign * beyond:
+                    self.lapsed[key] = stepped.at
 
     def explaining(self, e: Evidence) -> ScheduleStep | None:
         """The schedule step that explains ``e``, if one does (not lapsed)."""
-        return None if evidence_key(e) in self.lapsed else self._step_of(e)
+        stepped = self._step_of(e)
+        if stepped is None or self.lapsed.get(evidence_key(e)) == stepped.at:
+            return None
+        return stepped
+
+    def has_lapsed(self, e: Evidence) -> bool:
+        """Whether the step that explained ``e`` no longer does."""
+        stepped = self._step_of(e)
+        return stepped is not None and self.lapsed.get(evidence_key(e)) == stepped.at
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **self.steps.state_dict(),
-            "levels": dict(self.levels),
-            "lapsed": sorted(self.lapsed),
+            "levels": {k: list(v) for k, v in self.levels.items()},
+            "lapsed": dict(self.lapsed),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps.load_state_dict(state)
-        self.levels = {k: float(v) for k, v in state.get("levels", {}).items()}
-        self.lapsed = set(state.get("lapsed", []))
+        self.levels = {k: (int(v[0]), float(v[1])) for k, v in state.get("levels", {}).items()}
+        self.lapsed = {k: int(v) for k, v in state.get("lapsed", {}).items()}

@@ -189,13 +189,30 @@ def test_a_level_shift_stays_explained_and_a_further_fall_lapses_to_a_cause():
         assert healthy.update(step, [_qk(925, 955, value)]) == []
     for step, value in FAULTY.items():
         assert faulty.update(step, [_qk(925, 955, value)]) == []  # above 0.8 x 1.02
-    assert faulty.schedule.levels == {"qk_delta2_entropy_collapse|layer=blocks.0.attn": 1.02}
+    assert faulty.schedule.levels == {"qk_delta2_entropy_collapse|layer=blocks.0.attn": (900, 1.02)}
     (opened,) = faulty.update(1130, [_qk(925, 955, FAULTY_LATER[1130])])  # under 0.816
     assert opened.incident.family == "fa_precision"
     assert not opened.incident.evidence[0].consequence
     assert faulty.causes("qk_delta2_entropy_collapse")  # its remedies run now
     assert faulty.update(1155, [_qk(925, 955, FAULTY_LATER[1155])]) == []
     assert healthy.open is None and not healthy.causes("qk_delta2_entropy_collapse")
+
+
+def test_each_step_of_a_step_decay_explains_its_own_level():
+    """A step decay cuts again: the alert that fires after the second cut is measured against
+    its level after that cut, not after the first (where it stood higher)."""
+    account = ScheduleAccount(lag=50)
+    schedule = {
+        s: {"a": 1e-3 if s < 900 else 1e-4 if s < 1900 else 1e-5} for s in range(0, 2100, 10)
+    }
+    _feed(account.steps, schedule)
+    first, second = _qk(925, 955), _qk(1925, 1990)
+    account.track(955, [dataclasses.replace(first, value=1.4)])
+    account.track(1990, [dataclasses.replace(second, value=1.0)])  # fired after its window
+    account.track(2015, [dataclasses.replace(second, value=0.95)])
+    assert account.explaining(second) is not None  # 0.95 is not under 0.8 x 1.0
+    account.track(2040, [dataclasses.replace(second, value=0.79)])
+    assert account.explaining(second) is None
 
 
 def test_a_consequence_of_the_schedule_that_lapses_escalates_the_open_incident():
