@@ -15,7 +15,9 @@ drift well before the collapse)
 
 - at or after every update of a block collapsed at once (``control_update_entropy``: the
   differential diagnosis of DESIGN.md 1c: a biased attention backward moves only Q and K; a
-  data shift, a schedule change or a phase transition moves every weight), or
+  data shift, a schedule change or a phase transition moves every weight). Attention evidence
+  is explained by its own block's controls only (the same layer label); router evidence by
+  any block's, or
 - when the other mechanism family is already a cause of the incident, with an onset at or
   after the loss damage began (a loss spike, rise or non-finite loss): the attention fault
   has damaged the run, and a router collapse that only then begins is its downstream effect
@@ -147,15 +149,21 @@ def _causes(evidence: Any) -> set[str]:
 
 
 def _systemic_onset(
-    evidence: list[Evidence], metrics: frozenset[str], abrupt_only: bool = False
+    evidence: list[Evidence],
+    metrics: frozenset[str],
+    abrupt_only: bool = False,
+    layer: str | None = None,
 ) -> int | None:
     """When the incident's systemic change of one kind began: the earliest onset (else firing
-    step) of its symptom evidence on ``metrics`` (``abrupt_only``: from jump detectors only);
-    None without any."""
+    step) of its symptom evidence on ``metrics`` (``abrupt_only``: from jump detectors only;
+    ``layer``: only evidence labelled with that layer, or with none); None without any."""
     steps = [
         e.onset_step if e.onset_step is not None else e.fired_step
         for e in evidence
-        if e.family == "symptom" and e.metric in metrics and (e.abrupt or not abrupt_only)
+        if e.family == "symptom"
+        and e.metric in metrics
+        and (e.abrupt or not abrupt_only)
+        and (layer is None or e.labels.get("layer", layer) == layer)
     ]
     return min(steps, default=None)
 
@@ -175,7 +183,12 @@ def _consequence_of(
     if e.family not in MECHANISM_FAMILIES:
         return None
     began = e.fired_step
-    controls = _systemic_onset(evidence, CONTROL_METRICS)
+    # Attention evidence: the controls of its own block only (agent/probes.py measures a
+    # layer's controls on the snapshots of its Q and K); another block's collapse explains
+    # nothing here, or every layer of a deep model would be one more chance to write a real
+    # fault off. A router has no attention block of its own: any block's controls.
+    own = e.labels.get("layer") if e.family == "fa_precision" else None
+    controls = _systemic_onset(evidence, CONTROL_METRICS, layer=own)
     loss = _systemic_onset(evidence, LOSS_METRICS)
     jump = _systemic_onset(evidence, LOSS_METRICS, abrupt_only=True)
     diverged = _diverged(evidence)
@@ -186,7 +199,8 @@ def _consequence_of(
         default=None,
     )
     if controls is not None and began >= controls:
-        return f"the rest of its block's updates collapsed from step {controls}"
+        whose = "the rest of its block's" if own is not None else "every one of a block's"
+        return f"{whose} updates collapsed from step {controls}"
     if downstream_lag is not None and other_alerted is not None:
         if onset >= other_alerted + downstream_lag:
             return f"began {onset - other_alerted} steps after the {_one(other)} alert"

@@ -266,6 +266,36 @@ def test_a_qk_collapse_with_the_whole_block_after_a_loss_jump_stays_unattributed
     assert att.open.quiet_families == ["router_instability"]
 
 
+def _controls_of(layer: str, onset: int) -> Evidence:
+    return dataclasses.replace(_controls(onset), labels={"layer": layer})
+
+
+@pytest.mark.parametrize(
+    "controls_layer, family, expected",
+    [
+        ("l0", "fa_precision", "unattributed"),  # its own block moved: healthy change
+        ("l1", "fa_precision", "fa_precision"),  # another block's: explains nothing here
+        ("l1", "router_instability", "unattributed"),  # a router has no block: any block's
+    ],
+)
+def test_attention_evidence_is_explained_by_its_own_blocks_controls_only(
+    controls_layer, family, expected
+):
+    """A QK collapse of layer l0 after the controls of l1 collapsed is a cause: in a model of
+    many layers, any block's control collapsing would otherwise write off a real fault."""
+    att = Attributor(RunContext(run_name="r"))
+    controls = _controls_of(controls_layer, 900)
+    att.update(910, [controls])
+    mech = _alert("mech", family, onset=925, fired=930, layer="l0")
+    att.update(930, [controls, mech])
+    assert att.open.family == expected
+    why = {e.rule: e.consequence_of for e in att.open.evidence}["mech"]
+    assert (why == "") == (expected != "unattributed")
+    if why:
+        whose = "the rest of its block's" if family == "fa_precision" else "every one of a block's"
+        assert why == f"{whose} updates collapsed from step 900"
+
+
 def test_a_collapse_that_begins_with_a_gradual_loss_change_is_still_a_cause():
     """A smaller batch makes the loss noisier and collapses the router at once: no
     consequence before the loss damage had ``consequence_lag`` steps to feed back."""
