@@ -18,7 +18,11 @@ loss on: a benign push on every router at once, which the router rule must not t
 router fault); ``lr_x5`` (the same x5: a global push strong enough that it may destabilize the
 routers with everything else; it asks whether a global cause collapses routers, and what the
 rules call it); ``lr_x0.1`` (the whole model's learning rate cut to a tenth from step 500: a
-step decay's cut, a benign change that steps H(Delta_2) down once); ``fa_floor_3``,
+step decay's cut, a benign change that steps H(Delta_2) down once); ``batch_x2``,
+``mixture_step`` and ``seq_len_x4`` (benign one-time steps at step 1000 that the optimizer does
+not show: the batch doubled from 16 to 32 sequences; both languages from the start, the other
+one's share flipped from a quarter to three quarters; 16-token sequences before, 64 after);
+``fa_floor_3``,
 ``fa_floor_4`` and ``fa_floor_6`` (the attention backward's dS rounded towards -inf to 3, 4 or
 6 mantissa bits from step 500; 3 bits: an FP8 e4m3 kernel's, through an attention function
 registered with transformers that runs the test bed's emulated arithmetic; nothing else
@@ -55,6 +59,9 @@ SCENARIOS = (
     "lr_x2",
     "lr_x5",
     "lr_x0.1",
+    "batch_x2",
+    "mixture_step",
+    "seq_len_x4",
     "fa_floor_3",
     "fa_floor_4",
     "fa_floor_6",
@@ -75,6 +82,12 @@ ROUTER_FAULTS = {
 GLOBAL_LR = {"lr_x2": 2.0, "lr_x5": 5.0, "lr_x0.1": 0.1}
 FAULT_START, SHIFT_STEP = 500, 1000
 VOCAB, STATES, SEQ, BATCH = 128, 16, 64, 16
+# The one-time healthy steps the optimizer does not show, all at SHIFT_STEP: the batch doubled
+# (a batch-size ramp's step), the two languages' mixture flipped from a quarter to three
+# quarters of the other one (both from the start), sequences 16 tokens long before (a
+# sequence-length curriculum's step).
+BENIGN_STEPS = ("batch_x2", "mixture_step", "seq_len_x4")
+MIX_BEFORE, MIX_AFTER, SHORT_SEQ = 0.25, 0.75, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
 ATTENTION = "mechwatch_emulated"
 # The architectures ``--model`` builds: the HF config of each beyond the shared sizes.
@@ -108,11 +121,11 @@ class HiddenMarkovLanguage:
             row[idx] = torch._sample_dirichlet(torch.full((support,), 0.5), generator=g)
         return out
 
-    def batch(self) -> torch.Tensor:
-        """(BATCH, SEQ) token ids."""
-        state = torch.randint(0, STATES, (BATCH,), generator=self.g)
+    def batch(self, size: int = BATCH, length: int = SEQ) -> torch.Tensor:
+        """(size, length) token ids."""
+        state = torch.randint(0, STATES, (size,), generator=self.g)
         tokens = []
-        for _ in range(SEQ):
+        for _ in range(length):
             tokens.append(torch.multinomial(self.emit[state], 1, generator=self.g).squeeze(1))
             state = torch.multinomial(self.trans[state], 1, generator=self.g).squeeze(1)
         return torch.stack(tokens, dim=1)
@@ -196,6 +209,7 @@ def run(
     )
     data = HiddenMarkovLanguage(seed)
     shifted = HiddenMarkovLanguage(seed + 1000)
+    mixer = torch.Generator().manual_seed(seed + 2000)  # which rows the other language writes
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
@@ -208,7 +222,7 @@ def run(
         if step == fault_start and scenario in GLOBAL_LR:
             for group in optimizer.param_groups:
                 group["lr_mult"] = GLOBAL_LR[scenario]
-        ids = (shifted if scenario == "data_shift" and step >= SHIFT_STEP else data).batch()
+        ids = _batch(scenario, step, data, shifted, mixer)
         out = model(ids, labels=ids)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -223,6 +237,27 @@ def run(
         agent.step(step, loss=lm_loss, grad_norm=grad_norm)
     agent.close()
     return {"losses": losses, "wall_s": time.perf_counter() - t0}
+
+
+def _batch(
+    scenario: str,
+    step: int,
+    data: HiddenMarkovLanguage,
+    shifted: HiddenMarkovLanguage,
+    mixer: torch.Generator,
+) -> torch.Tensor:
+    """The step's (batch, length) token ids under the scenario's data schedule."""
+    after = step >= SHIFT_STEP
+    if scenario == "data_shift":
+        return (shifted if after else data).batch()
+    if scenario == "batch_x2":
+        return data.batch(size=2 * BATCH if after else BATCH)
+    if scenario == "seq_len_x4":
+        return data.batch(length=SEQ if after else SHORT_SEQ)
+    if scenario == "mixture_step":
+        other = torch.rand(BATCH, generator=mixer) < (MIX_AFTER if after else MIX_BEFORE)
+        return torch.where(other[:, None], shifted.batch(), data.batch())  # (BATCH, SEQ)
+    return data.batch()
 
 
 def _is_router(name: str) -> bool:
@@ -243,8 +278,8 @@ def evaluate(
     from agent.testbed.loss_baselines import BASELINES
     from remediations.registry import validate_action
 
-    fault = scenario not in ("clean", "data_shift")
-    start = FAULT_START if fault else (SHIFT_STEP if scenario == "data_shift" else 100)
+    fault = scenario not in ("clean", "data_shift", *BENIGN_STEPS)
+    start = FAULT_START if fault else (100 if scenario == "clean" else SHIFT_STEP)
     replayed = replay(events, rules, action_validator=validate_action)
     first = replayed.first_firing()
     mech = {f: first[f] for f in MECHANISM_FAMILIES if f in first}

@@ -6,8 +6,10 @@ open a mechanism incident) and the group it belongs to:
 
 - ``benign``: clean runs and healthy change: unbiased rounding at 3 and 6 bits on dS and dQK,
   a data shift mid-run (another chain, and a milder one), the learning rate x0.1 (a step
-  decay's cut), x0.3 and x2 mid-run, a longer warm-up, a lower learning rate, a bigger model
-  (4 layers, d 96), a GQA model, a 3,000-step run;
+  decay's cut), x0.3 and x2 mid-run, a cosine decay, one-time steps the optimizer does not
+  show (a data-mixture flip, a sequence-length step, the batch doubled), a longer warm-up, a
+  lower learning rate, a bigger model (4 layers, d 96; also with each one-time step), a GQA
+  model, a 3,000-step run;
 - ``fa``: biased rounding (floor, ceil, away) at 4-8 mantissa bits on dS and dQK, switched on
   at step 300, 500 or 900, ramped in over 500 steps, in one layer only, in the bigger model;
 - ``router``: the router LR x3 / x10 / x30 with the balancing loss on and off, a small batch,
@@ -63,6 +65,15 @@ def _benign(name: str, scenario: str = "clean", **knobs: Any) -> Entry:
     return Entry(name, "benign", None, scenario, knobs)
 
 
+# The knobs of the one-time healthy steps the optimizer does not show (at step 900).
+STEP_KNOBS: dict[str, dict[str, Any]] = {
+    # both chains from the start, their proportions flip at 900 (a data-mixture step)
+    "mixture_step": {"shift_step": 900, "shift_fraction": 0.75, "mix_fraction_before": 0.25},
+    "seq_len_x4": {"short_seq_len": 16, "short_seq_until": 900},  # a length curriculum's step
+    "batch_x2": {"batch_change_step": 900, "batch_change_size": 32, "steps": 1500},  # a ramp
+}
+
+
 CATALOG: tuple[Entry, ...] = (
     _benign("clean"),
     _benign("control_dS_3", "control", fa_sites=("dS",), fa_bits=3),
@@ -71,17 +82,21 @@ CATALOG: tuple[Entry, ...] = (
     _benign("control_dQK_6", "control", fa_sites=("dQK",), fa_bits=6),
     _benign("data_shift", shift_step=900, shift_fraction=1.0),
     _benign("data_shift_mild", shift_step=900, shift_fraction=0.25),
-    # both chains from the start, their proportions flip at 900 (a data-mixture step)
-    _benign("mixture_step", shift_step=900, shift_fraction=0.75, mix_fraction_before=0.25),
+    _benign("mixture_step", **STEP_KNOBS["mixture_step"]),
     _benign("lr_x0.3", lr_change_step=900, lr_change_mult=0.3),
     _benign("lr_x0.1", lr_change_step=900, lr_change_mult=0.1),  # a step decay's cut
     _benign("lr_x2", lr_change_step=900, lr_change_mult=2.0),
     _benign("lr_cosine", lr_cosine_floor=0.1),  # a cosine decay to a tenth
-    _benign("seq_len_x4", short_seq_len=16, short_seq_until=900),  # a length curriculum's step
-    _benign("batch_x2", batch_change_step=900, batch_change_size=32, steps=1500),  # a ramp step
+    _benign("seq_len_x4", **STEP_KNOBS["seq_len_x4"]),
+    _benign("batch_x2", **STEP_KNOBS["batch_x2"]),
     _benign("warmup_long", warmup_steps=500),
     _benign("lr_low", lr=3e-3),
     _benign("big_model", model=BIG),
+    # the one-time healthy steps above in the bigger model, whose QK circuit has phase
+    # transitions of its own
+    _benign("big_mixture_step", model=BIG, **STEP_KNOBS["mixture_step"]),
+    _benign("big_seq_len_x4", model=BIG, **STEP_KNOBS["seq_len_x4"]),
+    _benign("big_batch_x2", model=BIG, **STEP_KNOBS["batch_x2"]),
     _benign("gqa_model", model=GQA),
     _benign("clean_3000", steps=3000),
     _fa("fa_floor_4", fa_bits=4),
