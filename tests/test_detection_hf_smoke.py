@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -26,3 +27,37 @@ def test_the_fault_changes_the_run_from_its_start_and_the_agent_sees_the_model(t
     start = (tmp_path / "fa" / "events.jsonl").read_text().splitlines()[0]
     assert '"attention_layers": ["model.layers.0.self_attn"' in start
     assert '"routers": ["model.layers.0.mlp.gate"' in start
+
+
+@pytest.mark.parametrize(
+    "scenario, before, after",
+    [
+        ("batch_x2", (16, 64), (32, 64)),
+        ("seq_len_x4", (16, 16), (16, 64)),
+        ("mixture_step", (16, 64), (16, 64)),
+        ("clean", (16, 64), (16, 64)),
+    ],
+)
+def test_the_benign_steps_change_the_batches_at_the_shift_step(scenario, before, after):
+    """(batch, length) of the token ids just before and at SHIFT_STEP; the mixture's share of
+    the other language's rows moves from about a quarter to about three quarters."""
+    data, other = (detection_hf.HiddenMarkovLanguage(s) for s in (5, 1005))
+    mixer = torch.Generator().manual_seed(2005)
+    step = detection_hf.SHIFT_STEP
+
+    def ids(at: int) -> torch.Tensor:
+        return detection_hf._batch(scenario, at, data, other, mixer)
+
+    assert tuple(ids(step - 1).shape) == before and tuple(ids(step).shape) == after
+    if scenario != "mixture_step":
+        return
+    # Which language wrote a row: the other language's emissions are its own tokens.
+    own = (data.emit.sum(0) > 0) & (other.emit.sum(0) == 0)  # (VOCAB,) tokens only data emits
+    alien = (other.emit.sum(0) > 0) & (data.emit.sum(0) == 0)
+
+    def share(at: int) -> float:
+        rows = [ids(at) for _ in range(40)]
+        hits = [(alien[r].sum(1) > own[r].sum(1)).float().mean() for r in rows]
+        return float(sum(hits) / len(hits))
+
+    assert 0.12 < share(step - 1) < 0.38 and 0.62 < share(step) < 0.88
