@@ -237,8 +237,8 @@ def _diverged(evidence: list[Evidence]) -> int | None:
 
 def _with_held(firing: list[Evidence], held: list[Evidence]) -> list[Evidence]:
     """``firing`` plus the held evidence of alerts that no longer fire."""
-    keys = {(e.rule, tuple(sorted(e.labels.items()))) for e in firing}
-    return firing + [e for e in held if (e.rule, tuple(sorted(e.labels.items()))) not in keys]
+    keys = {e.key for e in firing}
+    return firing + [e for e in held if e.key not in keys]
 
 
 class Attributor:
@@ -388,11 +388,10 @@ class Attributor:
     def _merge(self, step: int, firing: list[Evidence]) -> None:
         incident = self.open
         assert incident is not None
-        current = {(e.rule, tuple(sorted(e.labels.items()))): e for e in incident.evidence}
+        current = {e.key: e for e in incident.evidence}
         everything = [*incident.evidence, *firing]
         for e in firing:
-            key = (e.rule, tuple(sorted(e.labels.items())))
-            old = current.get(key)
+            old = current.get(e.key)
             causes = _causes(current.values())
             # A consequence stays one while it keeps firing, unless the schedule step that
             # explained it no longer does (it kept falling: ``agent.schedule_steps``).
@@ -412,7 +411,7 @@ class Attributor:
                 )
                 if why is not None:
                     e = dataclasses.replace(e, consequence=True, consequence_of=why)
-            current[key] = e
+            current[e.key] = e
         incident.evidence = list(current.values())
         # Evidence accumulates while the incident is open, so the family can only be upgraded
         # (unattributed -> a mechanism -> combined), never downgraded.

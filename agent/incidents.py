@@ -44,6 +44,11 @@ class Evidence:
     consequence: bool = False
     consequence_of: str = ""  # what explains it, in words, when it is a consequence
 
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """The alert's identity across rounds: its rule and its labels."""
+        return self.rule, tuple(sorted(self.labels.items()))
+
 
 @dataclass
 class ActionRecord:

@@ -145,7 +145,7 @@ class ScheduleSteps:
 
 
 def evidence_key(e: Evidence) -> str:
-    """One alert's identity across rounds: its rule and labels."""
+    """``Evidence.key`` as a string: the form the saved state keeps (JSON object keys)."""
     return e.rule + "|" + ",".join(f"{k}={v}" for k, v in sorted(e.labels.items()))
 
 
@@ -196,14 +196,15 @@ class ScheduleAccount:
     def explaining(self, e: Evidence) -> ScheduleStep | None:
         """The schedule step that explains ``e``, if one does (not lapsed)."""
         stepped = self._step_of(e)
-        if stepped is None or self.lapsed.get(evidence_key(e)) == stepped.at:
-            return None
-        return stepped
+        return None if stepped is None or self._lapsed(e, stepped) else stepped
 
     def has_lapsed(self, e: Evidence) -> bool:
         """Whether the step that explained ``e`` no longer does."""
         stepped = self._step_of(e)
-        return stepped is not None and self.lapsed.get(evidence_key(e)) == stepped.at
+        return stepped is not None and self._lapsed(e, stepped)
+
+    def _lapsed(self, e: Evidence, stepped: ScheduleStep) -> bool:
+        return self.lapsed.get(evidence_key(e)) == stepped.at
 
     def state_dict(self) -> dict[str, Any]:
         return {
