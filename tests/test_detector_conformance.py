@@ -40,6 +40,7 @@ REQUIRED = {
     "threshold": {"below": 0.8},
     "log_cusum": {"k": 0.02, "h": 0.5, "floor": 0.05},
     "ema_rise": {"direction": "falling", "span": 5, "margin": 0.2},
+    "drawdown": {"ratio": 1.5, "span": 200},
 }
 # 120 noise values around 1.0, then a ramp down: every built-in fires in the second part.
 SERIES = noise_series(120, level=1.0, noise=0.05, seed=11) + ramp_series(
@@ -49,6 +50,7 @@ NAMES = sorted(DETECTORS)
 BUILT_IN = {
     "baseline",
     "cusum",
+    "drawdown",
     "ema_rise",
     "ewma",
     "log_cusum",
@@ -60,6 +62,7 @@ BUILT_IN = {
 OTHER_VALID_PARAMS = {
     "baseline": {"warmup": 10},
     "cusum": {"h": 5.0},
+    "drawdown": {"ratio": 1.6},
     "ewma": {"z": 4.0},
     "ema_rise": {"margin": 0.3},
     "log_cusum": {"h": 0.7},
@@ -71,6 +74,7 @@ MODULES = [
     "base",
     "baseline",
     "cusum",
+    "drawdown",
     "ema_rise",
     "ewma",
     "log_cusum",
@@ -220,7 +224,9 @@ def test_reset_forgets_the_departure_and_keeps_the_baseline(name):
 def test_any_floats_never_raise_and_state_stays_strict_json(name, values):
     # Small windows and warm-ups so that short lists get past them; magnitudes up to 1.8e308
     # may overflow the statistics (documented), but must never raise or break the state.
-    small = {"threshold": {}, "slope": {"window": 6}, "log_cusum": {}}.get(name, {"warmup": 3})
+    small = {"threshold": {}, "slope": {"window": 6}, "log_cusum": {}, "drawdown": {}}.get(
+        name, {"warmup": 3}
+    )
     d = make(name, **small)
     half = len(values) // 2
     for i, v in enumerate(values[:half]):
@@ -241,6 +247,7 @@ def test_huge_values_overflow_silently(name):
         "threshold": {},
         "slope": {"window": 6, "min_rel_change": 0.1},
         "log_cusum": {},
+        "drawdown": {},
     }.get(name, {"warmup": 3})
     d = make(name, **small)
     values = [1.0, 2.0, 1.5, 1e308, -1e308, 1.7e308, -1.7e308, 1.0, math.nan] * 3

@@ -33,7 +33,8 @@ def test_the_rules_package_defines_no_detector_type_of_its_own():
 def test_every_registered_detector_has_the_protocol_members():
     for name, cls in DETECTORS.items():
         assert issubclass(cls, Detector), name
-        detector = build_detector(name, {"above": 1.0} if name == "threshold" else {})
+        required = {"threshold": {"above": 1.0}, "drawdown": {"ratio": 1.5, "span": 100}}
+        detector = build_detector(name, required.get(name, {}))
         for member in MEMBERS:
             assert hasattr(detector, member), (name, member)
         assert detector.update(0, 0.5) is detector

@@ -459,13 +459,21 @@ def test_requires_holds_only_within_its_window_and_for_agreeing_labels():
     assert {a.rule for a in engine.alerts()} == {"hot"}  # the second signal has no alert
 
 
-def test_requires_state_round_trip_keeps_the_second_signal():
-    rule = rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES
+def _saved_and_restarted(rule: str, step0: dict) -> tuple[dict, RuleEngine, SeriesStore]:
+    """Feed ``step0`` at step 0, save the state (strict JSON) and load it into a new engine."""
     engine, store = engine_for(rule)
-    _feed(store, engine, 0, {("x", "a", "0"): 0.0, ("push", "a", None): 5.0})
+    _feed(store, engine, 0, step0)
     state = json.loads(json.dumps(engine.state_dict(), allow_nan=False))
     restarted, new_store = engine_for(rule)
     restarted.load_state_dict(state)
+    return state, restarted, new_store
+
+
+def test_requires_state_round_trip_keeps_the_second_signal():
+    rule = rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES
+    state, restarted, new_store = _saved_and_restarted(
+        rule, {("x", "a", "0"): 0.0, ("push", "a", None): 5.0}
+    )
     kinds = [(t.kind, t.step) for t in _feed(new_store, restarted, 1, {("x", "a", "0"): 3.0})]
     assert kinds == [
         ("pending", 1),
@@ -536,3 +544,75 @@ def test_requires_reduce_is_part_of_the_saved_state_fingerprint_only_when_set():
     )
     across.load_state_dict(state)
     assert _feed(across_store, across, 1, {("x", "a", "0"): 3.0}) == []
+
+
+SIGNAL_LIST = (
+    "        reduce: {op: mean, over: [head]}\n"
+    "        requires:\n"
+    "          - metric: held\n"
+    "            detector: {type: level, level: 1.0}\n"
+    "            within: 2\n"
+    "            every: true\n"
+    "          - metric: push\n"
+    "            detector: {type: level, level: 1.0}\n"
+    "            within: 0\n"
+    "        unless:\n"
+    "          metric: veto\n"
+    "          detector: {type: level, level: 1.0}\n"
+    "          within: 1\n"
+)
+
+
+def test_a_list_of_signals_every_and_unless_each_decide_the_condition():
+    """``requires`` as a list: each must hold; ``every``: 'held' triggered at each of its
+    evaluations of the last 2 steps; ``unless``: 'veto' (a series of its own label, agreeing
+    with every alert) triggered in the last step blocks it."""
+    engine, store = engine_for(rule_text("hot", "x", "{type: level, level: 2.0}") + SIGNAL_LIST)
+    fired = []
+    for step in range(9):
+        store.append(Sample.make(step, "veto", 5.0 if step == 5 else 0.0, group="g"))
+        values = {
+            ("x", "a", "0"): 3.0,
+            ("held", "a", None): 0.0 if step == 1 else 5.0,
+            ("push", "a", None): 0.0 if step == 7 else 5.0,
+        }
+        fired += [
+            (t.kind, t.step) for t in _feed(store, engine, step, values) if t.kind != "pending"
+        ]
+    # 0: 'held' triggered at its only evaluation; 1-3: its miss at 1 lies within 2 steps; 4:
+    # held since 2; 5, 6: vetoed (the veto of step 5, within 1 step); 7: no push; 8: all hold.
+    assert fired == [
+        ("firing", 0),
+        ("resolved", 1),
+        ("firing", 4),
+        ("resolved", 5),
+        ("firing", 8),
+    ]
+
+
+def test_signal_lists_round_trip_and_old_single_signal_states_still_load():
+    """The state keeps each second signal (a miss of an ``every`` signal included); a state
+    saved before lists existed (one ``requires`` under "condition") loads into the same rule."""
+    rule = rule_text("hot", "x", "{type: level, level: 2.0}") + SIGNAL_LIST
+    _, restarted, new_store = _saved_and_restarted(
+        rule, {("x", "a", "0"): 0.0, ("held", "a", None): 0.0}
+    )
+    step1 = {("x", "a", "0"): 3.0, ("held", "a", None): 5.0, ("push", "a", None): 5.0}
+    assert _feed(new_store, restarted, 1, step1) == []  # the miss at 0 came through the state
+    step3 = {**step1, ("x", "a", "0"): 3.0}
+    assert [t.kind for t in _feed(new_store, restarted, 3, step3)] == ["pending", "firing"]
+
+    single = rule_text("hot", "x", "{type: level, level: 2.0}") + REQUIRES
+    old, old_store = engine_for(single)
+    _feed(old_store, old, 0, {("x", "a", "0"): 0.0, ("push", "a", None): 5.0})
+    saved = json.loads(json.dumps(old.state_dict()))
+    entry = saved["rules"]["hot"]
+    entry["condition"] = entry.pop("conditions")[0]  # as saved before 2026-12-07
+    for group in entry["condition"]["groups"]:
+        del group["missed"]
+    loaded, loaded_store = engine_for(single)
+    loaded.load_state_dict(saved)
+    assert [t.kind for t in _feed(loaded_store, loaded, 1, {("x", "a", "0"): 3.0})] == [
+        "pending",
+        "firing",
+    ]

@@ -219,8 +219,8 @@ MALFORMED = [
         rule(detector="{type: thresh, above: 2.0}"),
         [
             "bad.yaml:6:26: group 'fa', rule 'r', field 'detector.type': unknown detector type "
-            "'thresh'; valid types: baseline, cusum, ema_rise, ewma, log_cusum, page_hinkley, "
-            "slope, threshold"
+            "'thresh'; valid types: baseline, cusum, drawdown, ema_rise, ewma, log_cusum, "
+            "page_hinkley, slope, threshold"
         ],
     ),
     (
@@ -439,6 +439,45 @@ MALFORMED = [
         ["bad.yaml:9:99: group 'fa', rule 'r', field 'requires.within': must be >= 0, got -25"],
     ),
     (
+        "requires_list_item_detector_param",
+        rule(
+            "        requires:\n          - metric: lr\n"
+            "            detector: {type: threshold, above: 0}\n"
+            "          - metric: lr\n"
+            "            detector: {type: drawdown, ratio: 0.5, span: 100}\n"
+        ),
+        [
+            "bad.yaml:13:47: group 'fa', rule 'r', field 'requires[1].detector.ratio': must be "
+            "> 1.0, got 0.5"
+        ],
+    ),
+    (
+        "requires_list_item_unknown_field",
+        rule("        requires:\n          - {metric: lr, detectr: {type: threshold}}\n"),
+        [
+            "bad.yaml:10:13: group 'fa', rule 'r', field 'requires[0].detector': missing "
+            "required field",
+            "bad.yaml:10:26: group 'fa', rule 'r', field 'requires[0].detectr': unknown field; "
+            "did you mean 'detector'?",
+        ],
+    ),
+    (
+        "requires_empty_list",
+        rule("        requires: []\n"),
+        [
+            "bad.yaml:9:19: group 'fa', rule 'r', field 'requires': an empty list: leave the "
+            "key out, or give at least one signal"
+        ],
+    ),
+    (
+        "unless_every_not_bool",
+        rule("        unless: {metric: lr, detector: {type: threshold, above: 1}, every: yes}\n"),
+        [
+            "bad.yaml:9:76: group 'fa', rule 'r', field 'unless.every': expected true or "
+            "false, got 'yes'"
+        ],
+    ),
+    (
         "rules_not_list",
         "groups:\n  - name: fa\n    rules: {name: r}\n",
         ["bad.yaml:3:12: group 'fa', field 'rules': expected a list, got a mapping"],
@@ -615,8 +654,8 @@ def test_all_errors_of_all_files_are_collected_in_file_order(tmp_path: Path):
         f"{second}:4:15: group 'fb', rule 'r', field 'name': "
         f"duplicate rule name 'r'; first defined at {first}:4:15",
         f"{second}:14:9: group 'fb', rule 's', field 'bogus': unknown field; valid fields: "
-        "name, metric, match, reduce, detector, requires, for, keep_firing_for, clear, severity, "
-        "family, actions, start_step, cooldown, summary, suggest, enabled",
+        "name, metric, match, reduce, detector, requires, unless, for, keep_firing_for, clear, "
+        "severity, family, actions, start_step, cooldown, summary, suggest, enabled",
         f"{tmp_path / 'missing.yaml'}: cannot read: No such file or directory",
     ]
 

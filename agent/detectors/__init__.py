@@ -24,6 +24,7 @@ import numpy.ma  # noqa: F401
 from agent.detectors.base import Detector, DetectorParams, DetectorProtocol, Trend
 from agent.detectors.baseline import BaselineDetector
 from agent.detectors.cusum import CUSUMDetector
+from agent.detectors.drawdown import DrawdownDetector
 from agent.detectors.ema_rise import EMARiseDetector
 from agent.detectors.ewma import EWMADetector
 from agent.detectors.log_cusum import LogCUSUMDetector
@@ -87,6 +88,7 @@ for _cls in (
     EMARiseDetector,
     LogCUSUMDetector,
     PageHinkleyDetector,
+    DrawdownDetector,
 ):
     register_detector(_cls)
 
@@ -97,6 +99,7 @@ __all__ = [
     "Detector",
     "DetectorParams",
     "DetectorProtocol",
+    "DrawdownDetector",
     "EMARiseDetector",
     "EWMADetector",
     "LogCUSUMDetector",

@@ -206,8 +206,19 @@ def _slope(p: Any) -> str:
     )
 
 
+def _drawdown(p: Any) -> str:
+    fall = f"at most 1/{_num(p.ratio)} ({_pct(1 / p.ratio)}) of the highest value"
+    rise = f"at least {_num(p.ratio)} times the lowest value"
+    where = {"falling": fall, "rising": rise}.get(p.direction, f"{fall} or {rise}")
+    return (
+        f"fires while the value is {where} measured within the last {p.span} steps, however "
+        "slowly it got there (the depth reached, not a rate)"
+    )
+
+
 _SENTENCES: dict[str, Sentence] = {
     "log_cusum": _log_cusum,
+    "drawdown": _drawdown,
     "threshold": _threshold,
     "ema_rise": _ema_rise,
     "ewma": _ewma,

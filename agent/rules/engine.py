@@ -2,16 +2,17 @@
 machine, counted in evaluations (samples) and steps.
 
 For each rule, ``evaluate(step, now)`` reads the points that arrived in the store since the
-rule's cursors, groups them by the labels that ``reduce.over`` keeps (the alert's identity,
-with the rule name), reduces the values of each group per step, feeds each reduced value to
-the group's own detector, and advances the group's alert through its lifecycle (inactive ->
-pending -> firing -> inactive; ``agent.rules.alerts`` has the state machine and its exact
-timing). The condition is the detector's ``triggered``; for a rule with ``requires``, also its
-second signal's detector triggered within ``requires.within`` steps before that point, for
-labels that agree (the second signal reads its own metric with the rule's match and reduce,
-just before the rule's own, and opens no alert of its own). One value fed is one evaluation, so a
-metric logged every step and a monitor that reports every 100 steps both count ``for: 3`` in
-their own samples; ``for: "500 steps"`` counts training steps between the pending step and now.
+rule's cursors, groups them by the labels that ``reduce.over`` keeps (the alert's identity, with
+the rule name), reduces the values of each group per step, feeds each reduced value to the
+group's own detector, and advances the group's alert through its lifecycle (inactive -> pending
+-> firing -> inactive; ``agent.rules.alerts`` has the state machine and its exact timing). The
+condition is the detector's ``triggered``; for a rule with ``requires``, also each second
+signal's detector triggered within its ``within`` steps before that point (with ``every``: at
+each of its evaluations there), for labels that agree; for a rule with ``unless``, none of those
+signals did (a second signal reads its own metric with the rule's match and reduce, just before
+the rule's own, and opens no alert of its own). One value fed is one evaluation, so a metric
+logged every step and a monitor that reports every 100 steps both count ``for: 3`` in their own
+samples; ``for: "500 steps"`` counts training steps between the pending step and now.
 
 Reading: every point is fed once (the store's cursors), in arrival order: steps that go
 backwards (after a rollback) are fed, and so is a later point at a step already fed (the
@@ -83,21 +84,53 @@ class _Group:
     last_fed_step: int | None = None
 
 
-# Steps at which a second signal triggered, kept per group (the newest; enough for any
-# batch of points read at once at the agent's cadences).
+# Steps at which a second signal triggered (and, for ``every``, did not), kept per group (the
+# newest; enough for any batch of points read at once at the agent's cadences).
 _TRIGGERED_KEPT = 64
 
 
 @dataclass
 class _ConditionGroup:
-    """One group of a rule's second signal (``requires``): its detector and when it
-    triggered."""
+    """One group of a rule's second signal (``requires`` or ``unless``): its detector and at
+    which of its evaluations it triggered or not."""
 
     detector: DetectorProtocol
     triggered: deque[int] = field(default_factory=lambda: deque(maxlen=_TRIGGERED_KEPT))
+    missed: deque[int] = field(default_factory=lambda: deque(maxlen=_TRIGGERED_KEPT))
 
-    def held(self, step: int, within: int) -> bool:
-        return any(0 <= step - t <= within for t in self.triggered)
+    def held(self, step: int, within: int, every: bool) -> bool:
+        """Triggered at an evaluation within ``within`` steps up to ``step``; with ``every``,
+        also at each of them (none missed)."""
+        if not any(0 <= step - t <= within for t in self.triggered):
+            return False
+        return not every or not any(0 <= step - t <= within for t in self.missed)
+
+    def forget_from(self, step: int) -> None:
+        """A rollback to ``step``: the evaluations from there on were an abandoned future."""
+        for steps in (self.triggered, self.missed):
+            while steps and steps[-1] >= step:
+                steps.pop()
+
+
+@dataclass
+class _Condition:
+    """One second signal of a rule: its spec, whether it vetoes (``unless``), its cursors and
+    groups, read like the rule's own."""
+
+    spec: RequiresSpec
+    veto: bool
+    cursors: dict[Labels, int] = field(default_factory=dict)
+    groups: dict[Labels, _ConditionGroup] = field(default_factory=dict)
+
+    def held(self, labels: Labels, step: int) -> bool:
+        """Its signal held at ``step`` in a group whose labels agree with ``labels`` (on the
+        names both carry)."""
+        mine = dict(labels)
+        return any(
+            group.held(step, self.spec.within, self.spec.every)
+            for other, group in self.groups.items()
+            if all(mine.get(k, v) == v for k, v in other)
+        )
 
 
 @dataclass
@@ -107,9 +140,12 @@ class _RuleRuntime:
     seen_version: int = -1
     groups: dict[Labels, _Group] = field(default_factory=dict)
     matched: dict[Labels, bool] = field(default_factory=dict)  # matcher results, cached
-    # The second signal (``requires``): its cursors and groups, read like the rule's own.
-    condition_cursors: dict[Labels, int] = field(default_factory=dict)
-    condition_groups: dict[Labels, _ConditionGroup] = field(default_factory=dict)
+    # The second signals (``requires``, then ``unless``), in the rule's order.
+    conditions: list[_Condition] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.conditions:
+            self.conditions = [_Condition(s, veto) for s, veto in self.rule.spec.second_signals]
 
     def accepts(self, labels: Labels) -> bool:
         hit = self.matched.get(labels)
@@ -141,7 +177,8 @@ class RuleEngine:
             self._store_epoch = self.store.epoch
             for runtime in self._runtimes.values():
                 runtime.cursors.clear()
-                runtime.condition_cursors.clear()
+                for condition in runtime.conditions:
+                    condition.cursors.clear()
                 runtime.seen_version = -1
         transitions: list[AlertTransition] = []
         for runtime in self._runtimes.values():
@@ -150,8 +187,8 @@ class RuleEngine:
                 continue  # nothing new for this metric: the common, cheap path
             runtime.seen_version = version
             errors: list[str] = []
-            if runtime.rule.requires is not None:
-                self._read_condition(runtime, errors)
+            for condition in runtime.conditions:
+                self._read_condition(runtime, condition, errors)
             try:
                 new, advanced = self.store.read_new(
                     runtime.rule.metric, runtime.accepts, runtime.cursors
@@ -195,53 +232,39 @@ class RuleEngine:
         alert.baseline = detector.baseline
         alert.statistic = detector.statistic
         alert.direction = detector.direction
-        condition = bool(detector.triggered) and self._second_signal_held(
-            runtime, group_labels, step
+        condition = bool(detector.triggered) and all(
+            c.held(group_labels, step) != c.veto for c in runtime.conditions
         )
         advance(runtime.rule, alert, condition, detector.onset_step, step, eval_step, now, out)
 
-    def _read_condition(self, runtime: _RuleRuntime, errors: list[str]) -> None:
-        """Feed the rule's second signal (``requires``) everything new, per group."""
-        requires = runtime.rule.requires
-        assert requires is not None
+    def _read_condition(
+        self, runtime: _RuleRuntime, condition: _Condition, errors: list[str]
+    ) -> None:
+        """Feed one second signal of the rule everything new, per group."""
+        spec = condition.spec
         try:
-            new, advanced = self.store.read_new(
-                requires.metric, runtime.accepts, runtime.condition_cursors
-            )
-            runtime.condition_cursors.update(advanced)
-            reduce = requires.reduce if requires.reduce is not None else runtime.rule.reduce
+            new, advanced = self.store.read_new(spec.metric, runtime.accepts, condition.cursors)
+            condition.cursors.update(advanced)
+            reduce = spec.reduce if spec.reduce is not None else runtime.rule.reduce
             batches = _reduce_by_group(reduce, new)
         except Exception as e:
             errors.append(_describe_error(e))
             return
         for group_labels, points in batches.items():
-            group = runtime.condition_groups.get(group_labels)
+            group = condition.groups.get(group_labels)
             if group is None:
-                detector = self._catalog.build(requires.detector.type, requires.detector.params)
-                group = runtime.condition_groups[group_labels] = _ConditionGroup(detector)
+                detector = self._catalog.build(spec.detector.type, spec.detector.params)
+                group = condition.groups[group_labels] = _ConditionGroup(detector)
             for point_step, value in points:
                 if point_step < runtime.rule.spec.start_step:
                     continue
-                while group.triggered and group.triggered[-1] >= point_step:
-                    group.triggered.pop()  # a rollback: that future was abandoned
+                group.forget_from(point_step)
                 try:
-                    if group.detector.update(point_step, value).triggered:
-                        group.triggered.append(point_step)
+                    triggered = group.detector.update(point_step, value).triggered
                 except Exception as e:
                     errors.append(_describe_error(e))
-
-    def _second_signal_held(self, runtime: _RuleRuntime, labels: Labels, step: int) -> bool:
-        """No ``requires``, or its signal triggered within ``within`` steps up to ``step``
-        in a group whose labels agree with ``labels`` (on the names both carry)."""
-        requires = runtime.rule.requires
-        if requires is None:
-            return True
-        mine = dict(labels)
-        return any(
-            group.held(step, requires.within)
-            for other, group in runtime.condition_groups.items()
-            if all(mine.get(k, v) == v for k, v in other)
-        )
+                    continue
+                (group.triggered if triggered else group.missed).append(point_step)
 
     def _new_group(self, rule: Rule, group_labels: Labels) -> _Group:
         detector = self._catalog.build(rule.detector.type, rule.detector.params)
@@ -327,20 +350,8 @@ class RuleEngine:
                     for labels, group in runtime.groups.items()
                 ],
             }
-            if runtime.rule.requires is not None:
-                rules[name]["condition"] = {
-                    "cursors": [
-                        [_pairs(labels), n] for labels, n in runtime.condition_cursors.items()
-                    ],
-                    "groups": [
-                        {
-                            "labels": _pairs(labels),
-                            "detector": group.detector.state_dict(),
-                            "triggered": list(group.triggered),
-                        }
-                        for labels, group in runtime.condition_groups.items()
-                    ],
-                }
+            if runtime.conditions:
+                rules[name]["conditions"] = [_condition_state(c) for c in runtime.conditions]
         return {"version": STATE_VERSION, "store_epoch": self._store_epoch, "rules": rules}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -378,19 +389,36 @@ class RuleEngine:
             group.last_fed_step = entry["last_fed_step"]
             load_alert_state(group.alert, entry["alert"])
             runtime.groups[labels] = group
-        requires, condition = rule.requires, saved.get("condition")
-        if requires is not None and condition is not None:
+        # states saved before 2026-12-07 hold the one ``requires`` signal under "condition"
+        old = [saved["condition"]] if "condition" in saved else []
+        saved_conditions = saved.get("conditions", old)
+        for condition, state in zip(runtime.conditions, saved_conditions, strict=False):
+            spec = condition.spec
             if same_store:
-                runtime.condition_cursors = {
-                    _labels(pairs): int(n) for pairs, n in condition["cursors"]
-                }
-            for entry in condition["groups"]:
-                detector = self._catalog.build(requires.detector.type, requires.detector.params)
+                condition.cursors = {_labels(pairs): int(n) for pairs, n in state["cursors"]}
+            for entry in state["groups"]:
+                detector = self._catalog.build(spec.detector.type, spec.detector.params)
                 detector.load_state_dict(entry["detector"])
                 group = _ConditionGroup(detector)
                 group.triggered.extend(int(t) for t in entry["triggered"])
-                runtime.condition_groups[_labels(entry["labels"])] = group
+                group.missed.extend(int(t) for t in entry.get("missed", ()))
+                condition.groups[_labels(entry["labels"])] = group
         return runtime
+
+
+def _condition_state(condition: _Condition) -> dict[str, Any]:
+    return {
+        "cursors": [[_pairs(labels), n] for labels, n in condition.cursors.items()],
+        "groups": [
+            {
+                "labels": _pairs(labels),
+                "detector": group.detector.state_dict(),
+                "triggered": list(group.triggered),
+                "missed": list(group.missed),
+            }
+            for labels, group in condition.groups.items()
+        ],
+    }
 
 
 def _reduce_by_group(
@@ -429,17 +457,30 @@ def _fingerprint(rule: Rule) -> str:
             "match": rule.matcher.as_mapping(),
             "reduce": None if rule.reduce is None else rule.reduce.model_dump(),
             "detector": {"type": rule.detector.type, **rule.detector.params},
-            **({} if rule.requires is None else {"requires": _requires_fingerprint(rule.requires)}),
+            **_signals_fingerprint(rule),
         },
         sort_keys=True,
         default=str,
     )
 
 
-def _requires_fingerprint(requires: RequiresSpec) -> dict[str, Any]:
-    """The second signal's part; ``reduce`` only when set (fingerprints saved before it
-    existed stay valid)."""
-    return requires.model_dump(mode="json", exclude=None if requires.reduce else {"reduce"})
+def _signals_fingerprint(rule: Rule) -> dict[str, Any]:
+    """The second signals' part: absent without them; one ``requires`` mapping as before
+    (fingerprints saved before lists, ``unless`` and ``every`` existed stay valid)."""
+    out: dict[str, Any] = {}
+    for key, specs in (("requires", rule.spec.requires), ("unless", rule.spec.unless)):
+        if isinstance(specs, list):
+            out[key] = [_signal_fingerprint(spec) for spec in specs]
+        elif specs is not None:
+            out[key] = _signal_fingerprint(specs)
+    return out
+
+
+def _signal_fingerprint(spec: RequiresSpec) -> dict[str, Any]:
+    """One second signal; ``reduce`` and ``every`` only when set (so a state saved before
+    they existed stays valid)."""
+    unset = {name for name in ("reduce", "every") if not getattr(spec, name)}
+    return spec.model_dump(mode="json", exclude=unset or None)
 
 
 def _pairs(labels: Labels) -> list[list[str]]:

@@ -22,7 +22,7 @@ from agent.rules.detector_words import describe_detector, levels
 from agent.rules.errors import RuleFileErrors
 from agent.rules.loader import ActionValidator, default_rule_files, load_rule_files
 from agent.rules.ruleset import Rule, RuleSet
-from agent.rules.schema import ActionSpec, ClearSpec, Duration
+from agent.rules.schema import ActionSpec, ClearSpec, Duration, RequiresSpec
 from remediations.pacing import ActionRequest, LimitsOf, Pacing
 
 WIDTH = 100
@@ -93,7 +93,10 @@ def explain_rule(
     rows = [
         ("watches", _watches(rule)),
         ("detector", f"{rule.detector.type}: {_detector_words(rule)}."),
-        *([("requires", _requires(rule))] if rule.requires is not None else []),
+        *[
+            ("unless" if veto else "requires", _second_signal(spec, veto))
+            for spec, veto in rule.spec.second_signals
+        ],
         ("timing", _timing(rule)),
         ("means", f"{FAMILY_WORDS.get(rule.family, rule.family)}; severity {rule.severity}."),
     ]
@@ -110,11 +113,14 @@ def _detector_words(rule: Rule) -> str:
     return describe_detector(rule.detector.type, rule.detector.params)
 
 
-def _requires(rule: Rule) -> str:
-    req = rule.requires
-    assert req is not None
+def _second_signal(req: RequiresSpec, veto: bool) -> str:
     words = describe_detector(req.detector.type, req.detector.params)
-    when = "at the same step" if req.within == 0 else f"within the last {req.within} steps"
+    if req.within == 0:
+        when = "at the same step"
+    elif req.every:
+        when = f"at every one of its evaluations within the last {req.within} steps"
+    else:
+        when = f"within the last {req.within} steps"
     if req.reduce is None:
         selection = "the same series selection, per the same labels"
     else:
@@ -124,9 +130,8 @@ def _requires(rule: Rule) -> str:
             f"the same series selection, the {op} over {over} at each step; "
             "the labels it keeps must agree with the alert's"
         )
-    return (
-        f"and only while {req.metric} ({selection}) triggered {req.detector.type} {when}: {words}."
-    )
+    lead = "but not while" if veto else "and only while"
+    return f"{lead} {req.metric} ({selection}) triggered {req.detector.type} {when}: {words}."
 
 
 def _watches(rule: Rule) -> str:

@@ -23,7 +23,7 @@ from agent import samples
 from agent.rules.detector_catalog import DetectorCatalog, default_detector_catalog
 from agent.rules.errors import RuleFileError, RuleFileErrors
 from agent.rules.ruleset import Rule, RuleSet
-from agent.rules.schema import RuleFileSpec, describe, parse_action
+from agent.rules.schema import SHAPE_TAGS, RuleFileSpec, describe, parse_action
 from agent.rules.yaml_source import (
     LocatedDocument,
     NodePath,
@@ -166,9 +166,9 @@ class _RuleSetLoader:
             self.errors += [file.pydantic_error(err, (), RuleFileSpec) for err in e.errors()]
         for rule_path, raw_rule in _raw_rules(doc.data):
             self._check_detector(file, rule_path, raw_rule)
-            requires = raw_rule.get("requires")
-            if isinstance(requires, dict):
-                self._check_detector(file, rule_path + ("requires",), requires)
+            for key in ("requires", "unless"):
+                for signal_path, raw_signal in _raw_signals(raw_rule.get(key), rule_path + (key,)):
+                    self._check_detector(file, signal_path, raw_signal)
             self._check_actions(file, rule_path, raw_rule)
         self._check_names(file)
         if spec is None or len(self.errors) > n_errors:
@@ -180,8 +180,13 @@ class _RuleSetLoader:
                 line = doc.position_of(rule_path)[0]
                 self.rules.append(Rule.from_spec(rule_spec, group.name, path, line))
                 metrics = [(rule_path + ("metric",), rule_spec.metric)]
-                if rule_spec.requires is not None:
-                    metrics.append((rule_path + ("requires", "metric"), rule_spec.requires.metric))
+                for key in ("requires", "unless"):
+                    metrics += [
+                        (signal_path + ("metric",), raw_signal.get("metric"))
+                        for signal_path, raw_signal in _raw_signals(
+                            doc.data["groups"][gi]["rules"][ri].get(key), rule_path + (key,)
+                        )
+                    ]
                 for metric_path, metric in metrics:
                     if metric not in KNOWN_METRICS:
                         close = difflib.get_close_matches(metric, KNOWN_METRICS, n=1)
@@ -322,7 +327,7 @@ class _FileContext:
         *,
         extra_fields: tuple[str, ...] = (),
     ) -> RuleFileError:
-        loc = tuple(err["loc"])
+        loc = tuple(part for part in err["loc"] if part not in SHAPE_TAGS)
         is_key = _KEY in loc
         node_path = prefix + tuple(part for part in loc if part != _KEY)
         kind = err["type"]
@@ -337,6 +342,16 @@ class _FileContext:
             message = f"expected a mapping with a 'groups' list at the top level, got {got}"
             return self.error(node_path, message)
         return self.error(node_path, pydantic_message(err), key=is_key)
+
+
+def _raw_signals(raw: Any, path: NodePath) -> list[tuple[NodePath, dict]]:
+    """The mappings of a rule's ``requires`` or ``unless`` (one mapping or a list of them),
+    each with its path in the file."""
+    if isinstance(raw, dict):
+        return [(path, raw)]
+    if isinstance(raw, list):
+        return [(path + (i,), item) for i, item in enumerate(raw) if isinstance(item, dict)]
+    return []
 
 
 def _is_name(value: Any) -> bool:

@@ -36,8 +36,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     InstanceOf,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -265,11 +267,12 @@ class DetectorSpec(BaseModel):
 
 
 class RequiresSpec(_Strict):
-    """A second, independent signal the rule's condition needs: ``metric``, selected with the
-    rule's own ``match`` and ``reduce`` (so per the same alert labels), must have triggered its
-    ``detector`` within the last ``within`` steps. It opens no alert of its own. Its own
-    ``reduce`` replaces the rule's for the second signal: labels it reduces away are not
-    compared, so a signal reduced over every router holds for each router's alert."""
+    """A second, independent signal the rule's condition needs (``requires``) or that vetoes it
+    (``unless``): ``metric``, selected with the rule's own ``match`` and ``reduce`` (so per the
+    same alert labels), triggered its ``detector`` within the last ``within`` steps (with
+    ``every``: at every one of its evaluations there, and there was one). It opens no alert of
+    its own. Its own ``reduce`` replaces the rule's for the second signal: labels it reduces away
+    are not compared, so a signal reduced over every router holds for each router's alert."""
 
     metric: MetricName = Field(description="metric name of the second signal")
     detector: DetectorSpec = Field(description="detector type and its parameters")
@@ -285,6 +288,28 @@ class RequiresSpec(_Strict):
         "of the rule's own (over: [router]: one signal for all routers, which then holds for "
         "every alert of the rule)",
     )
+    every: bool = Field(
+        default=False,
+        description="the second signal holds only if it triggered at every one of its "
+        "evaluations within 'within' steps (and there was at least one); false: at one of them",
+    )
+
+
+# ``requires`` and ``unless`` take one signal (a mapping, as before 2026-12-07) or a list. The
+# union is told apart by the value's shape; pydantic puts the shape's tag in an error's location
+# (the loader drops these tags, so an error names the field as the file spells it).
+ONE_SIGNAL, SIGNAL_LIST = "<one signal>", "<signal list>"
+SHAPE_TAGS = frozenset({ONE_SIGNAL, SIGNAL_LIST})
+
+
+def _signal_shape(value: Any) -> str:
+    return SIGNAL_LIST if isinstance(value, list) else ONE_SIGNAL
+
+
+SecondSignals = Annotated[
+    Annotated[RequiresSpec, Tag(ONE_SIGNAL)] | Annotated[list[RequiresSpec], Tag(SIGNAL_LIST)],
+    Discriminator(_signal_shape),
+]
 
 
 class RuleSpec(_Strict):
@@ -304,10 +329,16 @@ class RuleSpec(_Strict):
         default=None, description="combine series per step; omitted: one alert per label set"
     )
     detector: DetectorSpec = Field(description="detector type and its parameters")
-    requires: RequiresSpec | None = Field(
+    requires: SecondSignals | None = Field(
         default=None,
-        description="a second signal: the condition holds only while the detector triggers "
-        "and this one triggered within 'within' steps (for the same labels)",
+        description="a second signal, or a list of them: the condition holds only while the "
+        "detector triggers and each of these triggered within its 'within' steps (for the same "
+        "labels)",
+    )
+    unless: SecondSignals | None = Field(
+        default=None,
+        description="a signal, or a list of them, that vetoes the condition: it does not hold "
+        "while one of these triggered within its 'within' steps (for agreeing labels)",
     )
     for_: Annotated[InstanceOf[Duration], BeforeValidator(parse_duration)] = Field(
         default=Duration(0),
@@ -346,6 +377,23 @@ class RuleSpec(_Strict):
     )
     suggest: str = Field(default="", description="what a person should do; same placeholders")
     enabled: bool = Field(default=True, description="false keeps the rule but never evaluates it")
+
+    @property
+    def second_signals(self) -> tuple[tuple[RequiresSpec, bool], ...]:
+        """Every ``requires`` and ``unless`` signal, in file order, each with whether it vetoes
+        (``unless``) rather than enables the condition."""
+        out: list[tuple[RequiresSpec, bool]] = []
+        for specs, veto in ((self.requires, False), (self.unless, True)):
+            if specs is not None:
+                out += [(spec, veto) for spec in (specs if isinstance(specs, list) else [specs])]
+        return tuple(out)
+
+    @field_validator("requires", "unless")
+    @classmethod
+    def _signals_listed(cls, specs: SecondSignals | None) -> SecondSignals | None:
+        if isinstance(specs, list) and not specs:
+            raise ValueError("an empty list: leave the key out, or give at least one signal")
+        return specs
 
     @field_validator("name")
     @classmethod
