@@ -2,6 +2,8 @@
 
     python benchmarks/detection_figures.py [--root out/detection] [--seed 0] [--out docs/img]
     python benchmarks/detection_figures.py --only-persistence --persistence-root out/e4
+    python benchmarks/detection_figures.py --only-persistence --slow out/s4slow/fa_floor_8_s154 \
+        out/s3eval2/lr_cosine_s138 out/s4slow/lr_x0.1_s154
 
 Each panel shows the series the shipped rules watch (the same samples the agent measured), the
 step at which a rule fired (replayed through the shipped packs) and, for contrast, when the
@@ -222,6 +224,44 @@ PERSISTENCE = GatePicture(
 )
 
 
+def slow_picture(folders: list[Path], out: Path, layer: str = "blocks.0.attn") -> Path:
+    """The slow-collapse rule's three signals, layer ``layer`` of each run: H(Delta_2) (top,
+    log), the persistence of its top direction (middle), the schedule's learning rate of the
+    first group (bottom); dashed: the run's first fa_precision alert (the shipped rules)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
+    for folder in folders:
+        (line,) = top.plot(*layer_series(folder, "qk_delta2_entropy", "layer")[layer], lw=1.2)
+        line.set_label(folder.name)
+        color = line.get_color()
+        middle.plot(*layer_series(folder, "qk_delta2_persistence", "layer")[layer], lw=1, c=color)
+        lrs = layer_series(folder, "lr", "group")
+        bottom.plot(*lrs[sorted(lrs)[0]], lw=1.2, color=color)
+        alert = first_alert(folder, "fa_precision")
+        if alert is not None:
+            for ax in (top, middle, bottom):
+                ax.axvline(alert, color=color, ls="--", lw=1)
+    top.set_yscale("log")
+    top.set_ylabel("H(Delta_2), head mean\n(nats, log)")
+    top.legend(fontsize=7)
+    middle.axhline(0.95, color="0.4", ls=":", lw=1, label="held: > 0.95 at every evaluation")
+    middle.set_ylabel("|cos| of Delta_2's top\ndirection, two evaluations")
+    middle.legend(fontsize=7)
+    bottom.set_yscale("log")
+    bottom.set_ylabel("learning rate (log)")
+    bottom.set_xlabel("step (dashed: the run's first fa_precision alert, the shipped rules)")
+    bottom.set_xlim(100, 2000)
+    fig.tight_layout()
+    path = out / "detection_slow.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path("out/detection"))
@@ -237,7 +277,16 @@ def main(argv: list[str] | None = None) -> int:
         help="runs with big_model, fa_big_model and fa_dQK_6 of --persistence-seed",
     )
     p.add_argument("--persistence-seed", type=int, default=113)
-    p.add_argument("--only-persistence", action="store_true", help="draw that picture alone")
+    p.add_argument(
+        "--only-persistence", action="store_true", help="draw that picture (or --slow's) alone"
+    )
+    p.add_argument(
+        "--slow",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="run folders (with lr samples) for the slow-collapse picture, layer 0 of each",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.only_persistence:
@@ -266,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             (root / f"fa_dQK_6_s{seed}", "blocks.0.attn", "dQ / dK floor 6 bits (layer 0)"),
         ]
         print(gate_picture(cases, PERSISTENCE, args.out))
+    if args.slow is not None:
+        print(slow_picture(args.slow, args.out))
     return 0
 
 
