@@ -103,15 +103,13 @@ class DrawdownDetector(Detector):
         fall = math.log(window[high_at][1] / value)  # >= 0
         rise = math.log(value / window[low_at][1])  # >= 0
         self._statistic = fall if fall >= rise else -rise
-        limit = math.log(p.ratio) - 1e-12  # a fall of exactly x ratio triggers
-        falls = p.direction in ("falling", "both") and fall >= limit
-        rises = p.direction in ("rising", "both") and rise >= limit
-        watched_fall = p.direction == "falling" or (p.direction == "both" and fall >= rise)
-        self._baseline = window[high_at if watched_fall else low_at][1]
-        if falls and (not rises or fall >= rise):
-            self._set_verdict(TREND_FALLING, window[high_at + 1][0])
-        elif rises:
-            self._set_verdict(TREND_RISING, window[low_at + 1][0])
+        # the side judged: the watched one, or with ``both`` the one departed further
+        falling = p.direction == "falling" or (p.direction == "both" and fall >= rise)
+        extreme_at, depth = (high_at, fall) if falling else (low_at, rise)
+        self._baseline = window[extreme_at][1]
+        if depth >= math.log(p.ratio) - 1e-12:  # a fall of exactly x ratio triggers
+            trend = TREND_FALLING if falling else TREND_RISING
+            self._set_verdict(trend, window[extreme_at + 1][0])
         else:
             self._set_verdict(None, None)
 

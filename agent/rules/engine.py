@@ -145,7 +145,7 @@ class _RuleRuntime:
 
     def __post_init__(self) -> None:
         if not self.conditions:
-            self.conditions = [_Condition(s, veto) for s, veto in self.rule.spec.second_signals]
+            self.conditions = [_Condition(s, veto) for s, veto in self.rule.second_signals]
 
     def accepts(self, labels: Labels) -> bool:
         hit = self.matched.get(labels)

@@ -95,7 +95,7 @@ def explain_rule(
         ("detector", f"{rule.detector.type}: {_detector_words(rule)}."),
         *[
             ("unless" if veto else "requires", _second_signal(spec, veto))
-            for spec, veto in rule.spec.second_signals
+            for spec, veto in rule.second_signals
         ],
         ("timing", _timing(rule)),
         ("means", f"{FAMILY_WORDS.get(rule.family, rule.family)}; severity {rule.severity}."),

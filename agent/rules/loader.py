@@ -166,9 +166,8 @@ class _RuleSetLoader:
             self.errors += [file.pydantic_error(err, (), RuleFileSpec) for err in e.errors()]
         for rule_path, raw_rule in _raw_rules(doc.data):
             self._check_detector(file, rule_path, raw_rule)
-            for key in ("requires", "unless"):
-                for signal_path, raw_signal in _raw_signals(raw_rule.get(key), rule_path + (key,)):
-                    self._check_detector(file, signal_path, raw_signal)
+            for signal_path, raw_signal in _raw_signals(raw_rule, rule_path):
+                self._check_detector(file, signal_path, raw_signal)
             self._check_actions(file, rule_path, raw_rule)
         self._check_names(file)
         if spec is None or len(self.errors) > n_errors:
@@ -179,14 +178,11 @@ class _RuleSetLoader:
                 rule_path = ("groups", gi, "rules", ri)
                 line = doc.position_of(rule_path)[0]
                 self.rules.append(Rule.from_spec(rule_spec, group.name, path, line))
-                metrics = [(rule_path + ("metric",), rule_spec.metric)]
-                for key in ("requires", "unless"):
-                    metrics += [
-                        (signal_path + ("metric",), raw_signal.get("metric"))
-                        for signal_path, raw_signal in _raw_signals(
-                            doc.data["groups"][gi]["rules"][ri].get(key), rule_path + (key,)
-                        )
-                    ]
+                raw_rule = doc.data["groups"][gi]["rules"][ri]
+                metrics = [(rule_path + ("metric",), rule_spec.metric)] + [
+                    (signal_path + ("metric",), raw_signal["metric"])
+                    for signal_path, raw_signal in _raw_signals(raw_rule, rule_path)
+                ]
                 for metric_path, metric in metrics:
                     if metric not in KNOWN_METRICS:
                         close = difflib.get_close_matches(metric, KNOWN_METRICS, n=1)
@@ -344,14 +340,17 @@ class _FileContext:
         return self.error(node_path, pydantic_message(err), key=is_key)
 
 
-def _raw_signals(raw: Any, path: NodePath) -> list[tuple[NodePath, dict]]:
-    """The mappings of a rule's ``requires`` or ``unless`` (one mapping or a list of them),
-    each with its path in the file."""
-    if isinstance(raw, dict):
-        return [(path, raw)]
-    if isinstance(raw, list):
-        return [(path + (i,), item) for i, item in enumerate(raw) if isinstance(item, dict)]
-    return []
+def _raw_signals(raw_rule: dict, rule_path: NodePath) -> list[tuple[NodePath, dict]]:
+    """The mappings of a raw rule's ``requires`` and ``unless`` (each one mapping or a list of
+    them), with their paths in the file."""
+    out: list[tuple[NodePath, dict]] = []
+    for key in ("requires", "unless"):
+        raw, path = raw_rule.get(key), rule_path + (key,)
+        if isinstance(raw, dict):
+            out.append((path, raw))
+        elif isinstance(raw, list):
+            out += [(path + (i,), item) for i, item in enumerate(raw) if isinstance(item, dict)]
+    return out
 
 
 def _is_name(value: Any) -> bool:

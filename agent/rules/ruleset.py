@@ -50,7 +50,8 @@ class Rule:
     reduce = _SpecField[ReduceSpec | None]()
     detector = _SpecField[DetectorSpec]()
     requires = _SpecField[RequiresSpec | list[RequiresSpec] | None]()
-    unless = _SpecField[RequiresSpec | list[RequiresSpec] | None]()
+    # every ``requires`` and ``unless`` signal, each with whether it vetoes
+    second_signals = _SpecField[tuple[tuple[RequiresSpec, bool], ...]]()
     for_ = _SpecField[Duration]()
     keep_firing_for = _SpecField[Duration]()
     clear = _SpecField[ClearSpec | None]()
