@@ -4,6 +4,8 @@
     python benchmarks/detection_figures.py --only-persistence --persistence-root out/e4
     python benchmarks/detection_figures.py --only-persistence --slow out/s4slow/fa_floor_8_s154 \
         out/s3eval2/lr_cosine_s138 out/s4slow/lr_x0.1_s154
+    python benchmarks/detection_figures.py --only-persistence --margin \
+        out/s6tune/big_model_s113:blocks.0.attn:"healthy s113":healthy ...
 
 Each panel shows the series the shipped rules watch (the same samples the agent measured), the
 step at which a rule fired (replayed through the shipped packs) and, for contrast, when the
@@ -262,6 +264,60 @@ def slow_picture(folders: list[Path], out: Path, layer: str = "blocks.0.attn") -
     return path
 
 
+def _held_depth(folder: Path, layer: str, span: int = 100, within: int = 50):
+    """Per evaluation of ``layer``: (step, highest head-mean persistence within ``within``
+    steps (the gated rule's `requires`), H(Delta_2)'s highest value within ``span`` steps over
+    its value now (how deep the collapse is))."""
+    steps, h = layer_series(folder, "qk_delta2_entropy", "layer")[layer]
+    p_steps, p = layer_series(folder, "qk_delta2_persistence", "layer")[layer]
+    out = []
+    for s, value in zip(steps, h, strict=True):
+        held = [v for t, v in zip(p_steps, p, strict=True) if s - within <= t <= s]
+        high = max(v for t, v in zip(steps, h, strict=True) if s - span <= t <= s)
+        if held and value > 0:
+            out.append((s, max(held), high / value))
+    return out
+
+
+def margin_picture(
+    cases: list[tuple[Path, str, str, bool]], out: Path, steps: tuple[int, int] = (500, 900)
+) -> Path:
+    """Each case's layer as a path through (held direction, depth), one point per evaluation
+    in ``steps``: healthy runs (grey, dashed) against FA faults (warm colours); shaded, where
+    the gated rate rule accepts a collapse its CUSUM has seen (persistence above 0.9)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.axvspan(0.9, 1.0, color="tab:red", alpha=0.08, label="the gated rule's gate: held > 0.9")
+    faults = iter(plt.get_cmap("autumn")([i / 6 for i in range(7)]))
+    for folder, layer, label, healthy in cases:
+        points = [q for q in _held_depth(folder, layer) if steps[0] <= q[0] <= steps[1]]
+        ax.plot(
+            [q[1] for q in points],
+            [q[2] for q in points],
+            marker="o",
+            ms=3,
+            lw=1.2,
+            c="0.35" if healthy else next(faults),
+            ls="--" if healthy else "-",
+            label=label,
+        )
+    ax.set_yscale("log")
+    ax.set_ylim(0.9, 200)
+    ax.set_xlim(0.4, 1.0)
+    ax.set_xlabel("highest head-mean persistence of Delta_2's top direction, last 50 steps")
+    ax.set_ylabel("H(Delta_2): highest of the last 100 steps / now (log)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = out / "detection_margin.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, default=Path("out/detection"))
@@ -278,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--persistence-seed", type=int, default=113)
     p.add_argument(
-        "--only-persistence", action="store_true", help="draw that picture (or --slow's) alone"
+        "--only-persistence",
+        action="store_true",
+        help="draw that picture (or those of --slow and --margin) alone",
     )
     p.add_argument(
         "--slow",
@@ -286,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="run folders (with lr samples) for the slow-collapse picture, layer 0 of each",
+    )
+    p.add_argument(
+        "--margin",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="FOLDER:LAYER:LABEL[:healthy] cases for the gate-margin picture",
     )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -317,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         print(gate_picture(cases, PERSISTENCE, args.out))
     if args.slow is not None:
         print(slow_picture(args.slow, args.out))
+    if args.margin is not None:
+        cases = []
+        for spec in args.margin:
+            folder, layer, label, *kind = str(spec).split(":")
+            cases.append((Path(folder), layer, label, kind == ["healthy"]))
+        print(margin_picture(cases, args.out))
     return 0
 
 
