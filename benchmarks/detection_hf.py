@@ -10,7 +10,10 @@ the loop in detect-only mode.
 
 ``--model qwen2_moe`` trains a Qwen2-MoE of the same size instead (biases on Q, K and V, a
 shared expert beside the routed ones with its own one-output gate, which is not a router):
-a second architecture the rules were never tuned on.
+a second architecture the rules were never tuned on. ``--model llama`` trains a dense Llama
+twice as wide and a layer deeper (4 layers, width 128, 8 query heads of 16 over 4 KV heads, no
+router): a bigger dense model whose healthy phase transitions the FA rules must not take for a
+fault (the router scenarios do not apply to it).
 
 Scenarios per seed: ``clean``; ``data_shift`` (batches from another HMM from step 1000: a
 benign change); ``lr_x2`` (the whole model's learning rate doubled from step 500, balancing
@@ -93,6 +96,14 @@ ATTENTION = "mechwatch_emulated"
 # The architectures ``--model`` builds: the HF config of each beyond the shared sizes.
 MODELS: dict[str, dict[str, Any]] = {
     "mixtral": {"head_dim": 16, "num_local_experts": 4},
+    "llama": {  # dense: no router; the shared sizes overridden
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+    },
     "qwen2_moe": {
         "moe_intermediate_size": 48,
         "shared_expert_intermediate_size": 96,
@@ -156,16 +167,18 @@ def build(seed: int, attention: EmulatedAttention, model: str = "mixtral") -> to
 
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    sizes = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,  # of 16 (hidden / heads)
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+    }
     config = transformers.AutoConfig.for_model(
         model,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,  # of 16 (hidden / heads)
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        **MODELS[model],
+        **(sizes | MODELS[model]),
         max_position_embeddings=SEQ,
         router_aux_loss_coef=BALANCE,
         output_router_logits=True,
@@ -190,6 +203,8 @@ def run(
     from agent.testbed.attention import AttentionFault
     from agent.testbed.supervised import default_agent_config
 
+    if model_name == "llama" and (scenario in ROUTER_FAULTS):
+        raise ValueError(f"scenario {scenario!r} needs a router; the llama model is dense")
     attention = EmulatedAttention()
     model = build(seed, attention, model_name)
     # The routers' weights (``...mlp.gate.weight``; not Qwen2-MoE's ``shared_expert_gate``).
@@ -232,7 +247,10 @@ def run(
         for group in optimizer.param_groups:  # the router fault multiplies its group's LR
             group["lr"] *= group.get("lr_mult", 1.0)
         # The language-model loss (the balancing term taken out): what the detectors watch.
-        lm_loss = out.loss.detach() - model.router_aux_loss_coef * out.aux_loss.detach()
+        aux = getattr(out, "aux_loss", None)  # None on a dense model
+        lm_loss = out.loss.detach()
+        if aux is not None:
+            lm_loss = lm_loss - model.router_aux_loss_coef * aux.detach()
         losses.append(float(lm_loss))
         agent.step(step, loss=lm_loss, grad_norm=grad_norm)
     agent.close()
@@ -351,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_options(p)
     args = p.parse_args(argv)
     qk = sampling(args) or None
+    if args.model == "llama":  # dense: the router faults do not apply
+        skipped = [s for s in args.scenarios if s in ROUTER_FAULTS]
+        if skipped:
+            print(f"llama has no router: skipping {', '.join(skipped)}", file=sys.stderr)
+        args.scenarios = [s for s in args.scenarios if s not in ROUTER_FAULTS]
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

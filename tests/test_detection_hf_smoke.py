@@ -61,3 +61,17 @@ def test_the_benign_steps_change_the_batches_at_the_shift_step(scenario, before,
         return float(sum(hits) / len(hits))
 
     assert 0.12 < share(step - 1) < 0.38 and 0.62 < share(step) < 0.88
+
+
+def test_the_dense_llama_trains_under_the_agent_without_a_router(tmp_path):
+    """``--model llama``: 4 layers of 8 query heads over 4 KV heads, no router; the fault
+    reaches its arithmetic too, and a router fault is refused by name."""
+    clean = detection_hf.run("clean", 3, 8, tmp_path / "clean", fault_start=4, model_name="llama")
+    fault = detection_hf.run(
+        "fa_floor_4", 3, 8, tmp_path / "fa", fault_start=4, model_name="llama"
+    )["losses"]
+    assert fault[:5] == clean["losses"][:5] and fault[5:] != clean["losses"][5:]
+    start = (tmp_path / "fa" / "events.jsonl").read_text().splitlines()[0]
+    assert '"model.layers.3.self_attn"' in start and '"routers": []' in start
+    with pytest.raises(ValueError, match="router_x30_nobal.*dense"):
+        detection_hf.run("router_x30_nobal", 3, 2, tmp_path / "r", model_name="llama")
