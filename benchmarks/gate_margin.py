@@ -140,7 +140,7 @@ def collapses(
     return out
 
 
-def table(rows: list[Collapse]) -> str:
+def table(rows: list[Collapse], gate: float) -> str:
     lines = [
         "| run | kind | layer | ungated rule fired | held then | held, episode | deepest (x) "
         "| gated rule fired |",
@@ -154,7 +154,6 @@ def table(rows: list[Collapse]) -> str:
         )
     healthy = [r.held_episode for r in rows if not r.fault]
     faults = [r.held_at_fire for r in rows if r.fault]
-    gate = rows[0].gate if rows else float("nan")
     lines += [
         "",
         f"- gate: head-mean persistence above {gate}",
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             if (run / "events.jsonl").exists()
             for c in collapses(run, rules, ungated, gate, within)
         ]
-    text = table(rows)
+    text = table(rows, gate)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
