@@ -93,10 +93,19 @@ BENIGN_STEPS = ("batch_x2", "mixture_step", "seq_len_x4")
 MIX_BEFORE, MIX_AFTER, SHORT_SEQ = 0.25, 0.75, 16
 LR, WARMUP, BALANCE = 1e-2, 100, 0.01
 ATTENTION = "mechwatch_emulated"
+# The HF config sizes every architecture shares unless its MODELS entry says otherwise.
+SHARED_SIZES: dict[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,  # of 16 (hidden / heads)
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+}
 # The architectures ``--model`` builds: the HF config of each beyond the shared sizes.
 MODELS: dict[str, dict[str, Any]] = {
     "mixtral": {"head_dim": 16, "num_local_experts": 4},
-    "llama": {  # dense: no router; the shared sizes overridden
+    "llama": {  # dense (DENSE_MODELS); the shared sizes overridden
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_hidden_layers": 4,
@@ -112,6 +121,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
     },
 }
+DENSE_MODELS = frozenset({"llama"})  # no router: the router scenarios do not apply
 
 
 class HiddenMarkovLanguage:
@@ -167,18 +177,10 @@ def build(seed: int, attention: EmulatedAttention, model: str = "mixtral") -> to
 
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    sizes = {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,  # of 16 (hidden / heads)
-        "num_key_value_heads": 2,
-        "num_experts_per_tok": 2,
-    }
     config = transformers.AutoConfig.for_model(
         model,
         vocab_size=VOCAB,
-        **(sizes | MODELS[model]),
+        **(SHARED_SIZES | MODELS[model]),
         max_position_embeddings=SEQ,
         router_aux_loss_coef=BALANCE,
         output_router_logits=True,
@@ -203,8 +205,8 @@ def run(
     from agent.testbed.attention import AttentionFault
     from agent.testbed.supervised import default_agent_config
 
-    if model_name == "llama" and (scenario in ROUTER_FAULTS):
-        raise ValueError(f"scenario {scenario!r} needs a router; the llama model is dense")
+    if model_name in DENSE_MODELS and scenario in ROUTER_FAULTS:
+        raise ValueError(f"scenario {scenario!r} needs a router; the {model_name} model is dense")
     attention = EmulatedAttention()
     model = build(seed, attention, model_name)
     # The routers' weights (``...mlp.gate.weight``; not Qwen2-MoE's ``shared_expert_gate``).
@@ -369,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_options(p)
     args = p.parse_args(argv)
     qk = sampling(args) or None
-    if args.model == "llama":  # dense: the router faults do not apply
+    if args.model in DENSE_MODELS:  # the router faults do not apply
         skipped = [s for s in args.scenarios if s in ROUTER_FAULTS]
         if skipped:
-            print(f"llama has no router: skipping {', '.join(skipped)}", file=sys.stderr)
+            print(f"{args.model} has no router: skipping {', '.join(skipped)}", file=sys.stderr)
         args.scenarios = [s for s in args.scenarios if s not in ROUTER_FAULTS]
     torch.set_num_threads(1)
     rows = []

@@ -49,7 +49,6 @@ class Collapse:
     held_episode: float  # ... at any evaluation while the ungated rule kept firing
     depth: float  # highest H(Delta_2) of the last DEPTH_SPAN steps / H now, at its deepest
     gated: int | None  # step the gated rule fired on this layer (the rule files as given)
-    gate: float  # the gate's threshold
 
 
 def ungated_copy(rule_files: list[Path], folder: Path) -> tuple[list[Path], float, int]:
@@ -107,9 +106,7 @@ def depth(entropy: dict[int, float], step: int) -> float:
     return max(window) / now[-1] if now and now[-1] > 0 else float("nan")
 
 
-def collapses(
-    run: Path, rules: list[Path], ungated: list[Path], gate: float, within: int
-) -> list[Collapse]:
+def collapses(run: Path, rules: list[Path], ungated: list[Path], within: int) -> list[Collapse]:
     events = run / "events.jsonl"
     fired = _episodes(replay(events, ungated).alerts, GATED_RULE)
     gated = _episodes(replay(events, rules).alerts, GATED_RULE)
@@ -134,7 +131,6 @@ def collapses(
                 ),
                 depth=max((depth(h, s) for s in episode), default=float("nan")),
                 gated=gated.get(layer, (None,))[0],
-                gate=gate,
             )
         )
     return out
@@ -180,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             c
             for run in args.runs
             if (run / "events.jsonl").exists()
-            for c in collapses(run, rules, ungated, gate, within)
+            for c in collapses(run, rules, ungated, within)
         ]
     text = table(rows, gate)
     print(text)
