@@ -61,6 +61,7 @@ from agent.distributed.wiring import (
 from agent.eventlog import EVENT_LOG_FORMAT, EventLog
 from agent.failures import FailureLog
 from agent.incidents import Incident, IncidentEvent, RunContext
+from agent.kernel_audit_probe import KernelAuditProbe
 from agent.metric_sinks import build_sinks, write_round
 from agent.monitor_thread import MonitorThread
 from agent.notify.base import Notifier
@@ -72,6 +73,7 @@ from agent.schedule_steps import learning_rate_samples
 from agent.step_inputs import check_scalar, check_step
 from agent.store import SeriesStore
 from remediations.attention import AttentionPrecisionSwitch
+from remediations.attention_switch import attention_precision
 from remediations.base import Action, ActionContext
 from remediations.hparams import HyperparameterRequests
 from remediations.pacing import ESCALATION_ACTION, Admission, Pacing
@@ -166,6 +168,8 @@ class Agent:
             costs=self._costs,
         )
 
+        self.kernel_audit = self._kernel_audit(attention_switch)
+
         # Decisions and actions.
         monitored = {
             family
@@ -215,6 +219,27 @@ class Agent:
         )
 
     # ------------------------------------------------------------------ construction
+    def _kernel_audit(self, switch: AttentionPrecisionSwitch | None) -> KernelAuditProbe | None:
+        """The audit of the attention backward's rounding (``agent.kernel_audit_probe``), or
+        None (disabled, no attention layer, or a distributed run: said once)."""
+        config = self.config.kernel_audit
+        if not config.enabled or not self.attention_sites:
+            return None
+        if self.world.collective:
+            self.failures.report(
+                "kernel audit",
+                "off in a distributed run (each rank would audit alone; ranks decide alike)",
+                outcome="the other monitors go on",
+            )
+            return None
+        return KernelAuditProbe(
+            (switch if switch is not None else attention_precision).audit,
+            [site.name for site in self.attention_sites],
+            config.every,
+            config.sequences,
+            self.failures.report,
+        )
+
     @classmethod
     def from_config(
         cls,
@@ -274,6 +299,13 @@ class Agent:
             None,
         )
         new = self._guarded("measurements", lambda: self.measurements.collect(step), [])
+        if self.kernel_audit is not None:
+            audit = self.kernel_audit
+            new += self._guarded(
+                "kernel audit",
+                lambda: self._costs.call("kernel audit", lambda: audit.on_step(step)),
+                [],
+            )
         if self.optimizer is not None and step % self.config.symptoms.every == 0:
             new += self._guarded(
                 "learning rate", lambda: learning_rate_samples(self.optimizer, step), []
@@ -398,6 +430,8 @@ class Agent:
         """The run continues from ``restored``: drop what was measured on the abandoned path
         (the runner re-applied the other actions' changes: LR scale, attention precision)."""
         self.measurements.restart()
+        if self.kernel_audit is not None:
+            self.kernel_audit.restart()
         self.pacing.moved_to(restored)
         self._resume_step = restored + 1
         self._last_step = restored  # what later actions in this round see as the current step
@@ -518,6 +552,8 @@ class Agent:
             return
         self._closed = True
         self._guarded("measurements", self.measurements.close, None)
+        if self.kernel_audit is not None:
+            self._guarded("kernel audit", self.kernel_audit.close, None)
         self.thread.shutdown()
         for sink in self.metric_sinks:
             self._guarded("metrics", sink.close, None)

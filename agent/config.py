@@ -77,6 +77,18 @@ class RouterMonitorConfig(_Strict):
     default_top_k: int = Field(1, ge=1, description="top-k for load statistics when undeclared")
 
 
+class KernelAuditConfig(_Strict):
+    enabled: bool = Field(
+        True,
+        description="audit the attention backward's rounding (remediations/kernel_audit.py): "
+        "needs the layers to run through the FP32-backward switch's wrappers",
+    )
+    every: int = Field(
+        50, ge=1, description="steps between two audits; each audits the next layer in turn"
+    )
+    sequences: int = Field(1, ge=1, description="batch rows of the audited call kept and replayed")
+
+
 class SymptomConfig(_Strict):
     every: int = Field(
         10, ge=1, description="steps between two read-outs of the buffered loss / grad norm"
@@ -151,6 +163,7 @@ class AgentConfig(_Strict):
     )
     qk: QKMonitorConfig = Field(default_factory=QKMonitorConfig)
     router: RouterMonitorConfig = Field(default_factory=RouterMonitorConfig)
+    kernel_audit: KernelAuditConfig = Field(default_factory=KernelAuditConfig)
     symptoms: SymptomConfig = Field(default_factory=SymptomConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)

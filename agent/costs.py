@@ -12,6 +12,7 @@ Parts (``PARTS``, training thread unless said otherwise):
     step inputs       checking the loss and grad norm given to ``step()``
     read-outs         the buffered loss / grad norm and the router sums, read to the host
     snapshots         fp32 copies of the sampled Q/K and control weights
+    kernel audit      capturing an audited attention call and replaying its backward
     monitor results   waiting for a monitor result that is due (0 unless the thread is late)
     rules             rule evaluation, attribution and pacing (one decision round)
     event log         writing event-log records (metrics, alerts, incidents, actions)
@@ -38,6 +39,7 @@ PARTS = (
     "step inputs",
     "read-outs",
     "snapshots",
+    "kernel audit",
     "monitor results",
     "rules",
     "event log",

@@ -39,6 +39,10 @@ ROUTER_BLOCK_UPDATE_REL_NORM = "router_block_update_rel_norm"
 # router_update_rel_norm / router_block_update_rel_norm: how much faster the router moves than
 # the weights around it (a push on the router alone raises it; one on the whole model does not)
 ROUTER_UPDATE_RATIO = "router_update_ratio"
+# The kernel audit (remediations/kernel_audit.py): ||g(dO) + g(-dO)|| / ||g(dO) - g(-dO)|| of
+# one call's q, k gradients; 0 for sign-symmetric arithmetic, the bias's size for one-way
+# rounding; per layer, at each audit of it
+ATTENTION_BACKWARD_ASYMMETRY = "attention_backward_asymmetry"
 LOSS = "loss"
 LOSS_NONFINITE = "loss_nonfinite"  # 1.0 when the loss is NaN or inf, else 0.0
 GRAD_NORM = "grad_norm"

@@ -15,6 +15,8 @@ import fnmatch
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from remediations.kernel_audit import KernelAudit
+
 
 class AttentionPrecisionSwitch:
     """Which attention layers run their backward in fp32. Layer names are exact names or glob
@@ -31,6 +33,7 @@ class AttentionPrecisionSwitch:
         self._decided: dict[str | None, bool] = {}  # layer name -> decision (cache)
         self._consulted: set[str | None] = set()  # call sites that have asked (diagnostics)
         self._listeners: list[Callable[[AttentionPrecisionSwitch], None]] = []
+        self.audit = KernelAudit()  # the sign audit of the layers' backward (kernel_audit.py)
 
     # -- the hot path ------------------------------------------------------------------------
     def fp32_backward(self, layer: str | None) -> bool:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from remediations.attention_switch import AttentionPrecisionSwitch, attention_precision
+from remediations.kernel_audit import batch_rows
 
 AttentionKernel = Callable[..., torch.Tensor]
 
@@ -61,21 +62,35 @@ def scaled_dot_product_attention(
     ``enable_gqa`` when they differ from their defaults, so a kernel without mask or GQA
     support works for calls that do not use them.
     """
+    options = _Options(dropout_p, is_causal, scale, enable_gqa)
+    out = _attend(switch, layer, fallback, options, query, key, value, attn_mask)
+    if switch.audit.armed(layer) and layer is not None:  # the kernel audit's capture
+        batch = query.shape[0]
+
+        def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+            mask = batch_rows(attn_mask, rows, batch)
+            return _attend(switch, layer, fallback, options, q, k, v, mask)
+
+        switch.audit.capture(layer, query, key, value, out, replay)
+    return out
+
+
+def _attend(
+    switch: AttentionPrecisionSwitch,
+    layer: str | None,
+    fallback: AttentionKernel,
+    options: _Options,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The call as the switch wants it: the fp32 backward, or ``fallback`` alone."""
     if switch.fp32_backward(layer) and _needs_grad(query, key, value):
         return fp32_backward_attention(
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            forward_kernel=fallback,
+            query, key, value, attn_mask, *options, forward_kernel=fallback
         )
-    return _Options(dropout_p, is_causal, scale, enable_gqa).call(
-        fallback, query, key, value, attn_mask
-    )
+    return options.call(fallback, query, key, value, attn_mask)
 
 
 def fp32_backward_attention(

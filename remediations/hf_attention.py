@@ -49,6 +49,7 @@ from remediations.fp32_attention import scaled_dot_product_attention
 from remediations.fp32_recompute import recompute_attention
 from remediations.hf_layers import attention_modules, interface_keywords
 from remediations.hf_sdpa import sdpa_call_as_eager
+from remediations.kernel_audit import batch_rows
 
 HF_ATTENTION_NAME = "mechwatch_fp32_backward"
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -232,6 +233,33 @@ class _Dispatch:
         self.signature = _signature(kernel)
 
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        result = self._attend(module, args, kwargs)
+        layer = _installed.get(module)
+        if layer is not None and layer.switch.audit.armed(layer.name):
+            self._capture(layer, module, args, kwargs, result)
+        return result
+
+    def _capture(
+        self, layer: _Layer, module: torch.nn.Module, args: tuple, kwargs: dict, result: Any
+    ) -> None:
+        """Hand an armed call to the kernel audit (``remediations.kernel_audit``): q, k, v are
+        the first three arguments after the module; every other per-row tensor argument (the
+        mask) is sliced to the audited rows."""
+        output = result[0] if isinstance(result, tuple) else result
+        if len(args) < 3 or not all(torch.is_tensor(t) for t in (*args[:3], output)):
+            layer.switch.audit.skip(layer.name, "its attention call passes q, k, v by name")
+            return
+        batch = args[0].shape[0]
+
+        def replay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+            rest = tuple(batch_rows(a, rows, batch) for a in args[3:])
+            named = {name: batch_rows(a, rows, batch) for name, a in kwargs.items()}
+            out = self._attend(module, (q, k, v, *rest), named)
+            return out[0] if isinstance(out, tuple) else out
+
+        layer.switch.audit.capture(layer.name, *args[:3], output, replay)
+
+    def _attend(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         layer = _installed.get(module)
         if layer is None or not layer.switch.fp32_backward(layer.name):
             return self.kernel(module, *args, **kwargs)

@@ -1,0 +1,162 @@
+"""The kernel audit: the sign asymmetry of an attention call's backward, captured through the
+switch-aware wrappers, and the agent's rule on it."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agent.eventlog import read_events
+from agent.testbed.attention import AttentionFault, emulated_attention
+from agent.testbed.catalog import BY_NAME
+from agent.testbed.supervised import default_agent_config, run_supervised
+from remediations.attention_switch import AttentionPrecisionSwitch
+from remediations.fp32_attention import scaled_dot_product_attention
+from remediations.kernel_audit import KernelAudit, batch_rows, sign_asymmetry
+
+
+def _emulated(fault: AttentionFault | None):
+    return functools.partial(emulated_attention, fault=fault)
+
+
+def _audited_call(fallback, *, dtype=torch.float32, fp32: bool = False, mask=None, rows=1):
+    """One armed call of layer "l0" through the SDPA wrapper and its backward; the capture."""
+    switch = AttentionPrecisionSwitch()
+    switch.audit.sequences = rows
+    if fp32:
+        switch.enable_fp32_backward(["l0"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 24, 8, generator=g).to(dtype).requires_grad_() for _ in "qkv")
+    switch.audit.arm(["l0"])
+    causal = mask is None
+    out = scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, layer="l0", fallback=fallback, switch=switch
+    )
+    assert not switch.audit.armed("l0")  # one call captured, then disarmed
+    (out.float() ** 2).sum().backward()
+    (capture,) = switch.audit.take()
+    assert capture.rows == rows and capture.upstream is not None
+    assert capture.upstream.shape[0] == rows
+    return capture
+
+
+@pytest.mark.parametrize(
+    "name, fallback, dtype",
+    [
+        ("exact fp32", _emulated(None), torch.float32),
+        ("round to nearest, 3 bits at dS", _emulated(AttentionFault(bits=3, mode="rne")), None),
+        ("away from zero, 4 bits at dS", _emulated(AttentionFault(bits=4, mode="away")), None),
+        ("torch SDPA, bf16", F.scaled_dot_product_attention, torch.bfloat16),
+        ("torch SDPA, fp16", F.scaled_dot_product_attention, torch.float16),
+    ],
+)
+def test_sign_symmetric_arithmetic_is_exactly_zero(name, fallback, dtype) -> None:
+    capture = _audited_call(fallback, dtype=dtype or torch.float32)
+    assert sign_asymmetry(capture) == 0.0, name
+
+
+@pytest.mark.parametrize(
+    "fault, low, high",
+    [
+        (AttentionFault(bits=8, mode="floor"), 5e-4, 5e-3),
+        (AttentionFault(bits=4, mode="floor"), 1e-2, 1e-1),
+        (AttentionFault(bits=6, mode="ceil"), 2e-3, 3e-2),
+        (AttentionFault(sites=("dQK",), bits=6, mode="floor"), 2e-3, 3e-2),
+    ],
+)
+def test_one_way_rounding_leaves_its_bias(fault, low, high) -> None:
+    value = sign_asymmetry(_audited_call(_emulated(fault)))
+    assert low < value < high
+    # The fix: the same kernel with the switch's fp32 backward is exact again.
+    assert sign_asymmetry(_audited_call(_emulated(fault), fp32=True)) == 0.0
+
+
+def test_a_per_row_mask_is_sliced_with_the_rows() -> None:
+    mask = torch.ones(3, 1, 24, 24, dtype=torch.bool).tril()
+    mask[1:, :, :, :4] = False  # rows 1 and 2 differ from row 0
+    assert batch_rows(mask, 2, 3).shape[0] == 2
+    assert batch_rows(mask[:1], 2, 3).shape[0] == 1  # broadcast over the batch: as it is
+    assert batch_rows(mask[0, 0], 2, 3).dim() == 2  # (L, S): as it is
+    switch = AttentionPrecisionSwitch()
+    switch.audit.sequences = 2
+    q, k, v = (torch.randn(3, 4, 24, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    switch.audit.arm(["l0"])
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, layer="l0", switch=switch)
+    out.sum().backward()
+    (capture,) = switch.audit.take()
+    replayed = capture.replay(capture.query, capture.key, capture.value)
+    torch.testing.assert_close(replayed, out[:2].detach(), rtol=1e-12, atol=1e-12)
+    assert sign_asymmetry(capture) == 0.0
+
+
+def test_an_evaluation_forward_leaves_the_layer_armed() -> None:
+    audit = KernelAudit()
+    switch = AttentionPrecisionSwitch()
+    switch.audit = audit
+    audit.arm(["l0"])
+    q = torch.randn(2, 2, 8, 4)
+    with torch.no_grad():
+        scaled_dot_product_attention(q, q, q, is_causal=True, layer="l0", switch=switch)
+    assert audit.armed("l0") and audit.take() == []
+
+
+def test_hf_dispatcher_captures_the_models_own_call() -> None:
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    from remediations.hf_attention import install_hf_attention, uninstall_hf_attention
+
+    model = hf_tiny.tiny("llama")
+    ids, pad = hf_tiny.batch()
+    switch = AttentionPrecisionSwitch()
+    install_hf_attention(model, switch=switch)
+    try:
+        switch.audit.arm(["model.layers.1.self_attn"])
+        hf_tiny.run(model, ids, pad)
+        (capture,) = switch.audit.take()
+        assert capture.layer == "model.layers.1.self_attn"
+        assert sign_asymmetry(capture) == 0.0  # torch's SDPA: round to nearest
+        assert switch.audit.unaudited == {}
+    finally:
+        uninstall_hf_attention(model)
+
+
+def _asymmetry(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for e in read_events(run_dir / "events.jsonl", "metrics"):
+        for step, name, _, value in e["samples"]:
+            if name == "attention_backward_asymmetry":
+                out[step] = value
+    return out
+
+
+def test_agent_pages_a_biased_kernel_at_the_first_audit_after_its_onset(tmp_path: Path) -> None:
+    """The test bed, 8-bit floor rounding of dS from step 100 (the weakest catalogue fault),
+    audits every 25 steps: paged fa_precision at the first audit that captured a faulty call
+    (the arming at 100 captures step 101's call); the clean run audits to exactly 0."""
+    faulty = BY_NAME["fa_floor_8"].config(0).model_copy(update={"steps": 160, "fault_start": 100})
+    config = default_agent_config(
+        tmp_path / "fa", remediate=False, kernel_audit={"every": 25}, checkpoints={"enabled": False}
+    )
+    result = run_supervised(faulty, config)
+    values = _asymmetry(tmp_path / "fa")
+    assert [s for s, v in values.items() if v > 0] == [s for s in values if s > 100]
+    assert min(v for s, v in values.items() if s > 100) > 1e-4
+    assert result.first_alert_rule["attention_backward_one_way_rounding"] == 101
+    assert result.incidents and result.incidents[0]["family"] == "fa_precision"
+
+    clean = BY_NAME["clean"].config(0).model_copy(update={"steps": 130})
+    config = default_agent_config(
+        tmp_path / "clean",
+        remediate=False,
+        kernel_audit={"every": 25},
+        checkpoints={"enabled": False},
+    )
+    result = run_supervised(clean, config)
+    values = _asymmetry(tmp_path / "clean")
+    assert len(values) == 6 and set(values.values()) == {0.0}  # steps 1, 26, ..., 126
+    assert "attention_backward_one_way_rounding" not in result.first_alert_rule
