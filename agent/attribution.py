@@ -55,6 +55,11 @@ drift well before the collapse)
   that starts with the loss change is as likely its cause as its effect (a smaller batch
   makes the loss noisier and collapses the router at once).
 
+A test of the arithmetic itself (``ARITHMETIC_METRICS``: the kernel audit's
+``attention_backward_asymmetry``, ``remediations.kernel_audit``) is never a consequence and is
+never inhibited: it compares a kernel's backward with its own negation on one call's inputs,
+and no change of the run (data, schedule, phase, damage) moves it away from 0.
+
 So a QK collapse while the model relearns after a data shift leaves the incident
 ``unattributed``, and a router collapse that follows the damage of an attention fault leaves
 it ``fa_precision`` (``combined`` means both mechanisms started on their own). Evidence of a
@@ -91,6 +96,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from agent import samples as m
 from agent.incidents import Evidence, Incident, IncidentEvent, RunContext
 from agent.samples import Sample
 from agent.schedule_steps import SCHEDULE_LAG, ScheduleAccount, ScheduleStep
@@ -99,6 +105,7 @@ MECHANISM_FAMILIES = ("fa_precision", "router_instability")
 # Symptom evidence that the whole run changed (see the module docstring).
 LOSS_METRICS = frozenset({"loss", "loss_nonfinite"})
 CONTROL_METRICS = frozenset({"control_update_entropy"})
+ARITHMETIC_METRICS = frozenset({m.ATTENTION_BACKWARD_ASYMMETRY})  # never a consequence
 CONSEQUENCE_LAG = 100  # steps after the loss damage began from which a collapse is its effect
 # Steps after the other mechanism's first alert from which a collapse that begins is its
 # downstream effect (see the module docstring).
@@ -180,7 +187,7 @@ def _consequence_of(
     the whole run (its loss, its controls, the learning-rate schedule's step that explains it,
     ``stepped``) or the damage of the other mechanism, already a cause of the incident
     (``causes``; see the module docstring). None: ``e`` is a cause."""
-    if e.family not in MECHANISM_FAMILIES:
+    if e.family not in MECHANISM_FAMILIES or e.metric in ARITHMETIC_METRICS:
         return None
     began = e.fired_step
     # Attention evidence: the controls of its own block only (agent/probes.py measures a
@@ -331,7 +338,9 @@ class Attributor:
         of the learning-rate schedule (then it opens no incident: the module docstring's
         inhibition); else the empty set."""
         explained = all(
-            e.family in MECHANISM_FAMILIES and self.schedule.explaining(e) is not None
+            e.family in MECHANISM_FAMILIES
+            and e.metric not in ARITHMETIC_METRICS
+            and self.schedule.explaining(e) is not None
             for e in firing
         )
         return {e.rule for e in firing} if explained and firing else set()
