@@ -160,3 +160,30 @@ def test_agent_pages_a_biased_kernel_at_the_first_audit_after_its_onset(tmp_path
     values = _asymmetry(tmp_path / "clean")
     assert len(values) == 6 and set(values.values()) == {0.0}  # steps 1, 26, ..., 126
     assert "attention_backward_one_way_rounding" not in result.first_alert_rule
+
+
+def test_torch_compile_captures_and_stops_recompiling() -> None:
+    """Arming and disarming a layer every few calls: each armed call is captured, and the
+    compiled function settles on its armed and unarmed graphs (measured: 4 frames by the
+    fourth call, none after), no recompile per audit."""
+    from torch._dynamo.testing import CompileCounter
+
+    switch = AttentionPrecisionSwitch()
+
+    def attention(q, k, v):
+        return scaled_dot_product_attention(q, k, v, is_causal=True, layer="l0", switch=switch)
+
+    counter = CompileCounter()
+    compiled = torch.compile(attention, backend=counter)
+    q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    d_out = torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    frames = []
+    for call in range(12):
+        if call % 3 == 0:
+            switch.audit.arm(["l0"])
+        torch.autograd.grad(compiled(q, k, v), (q, k, v), d_out)
+        captures = switch.audit.take()
+        assert len(captures) == (call % 3 == 0)
+        assert all(sign_asymmetry(c) == 0.0 for c in captures)
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[5] <= 6
