@@ -21,6 +21,11 @@ Run: python benchmarks/gpu.py --out benchmarks/results/gpu.md       (needs CUDA;
    run's wall-time overhead and the longest ``agent.step`` call.
 3. The FP32-backward switch (``remediations.attention.scaled_dot_product_attention`` with its
    switch on) against torch's flash SDPA: forward + backward at (8, 16, 2048, 128) in bf16.
+3b. The kernel audit (``--parts audit``; ``remediations.kernel_audit``) on torch's SDPA
+   backends (flash, efficient, math) in bf16 and fp16 at the same shape: its statistic for a
+   healthy kernel (exactly 0 when the backward is odd in dO bit for bit; a GPU kernel whose
+   accumulation order varies between calls leaves a small value, shown next to the gap
+   between two backward passes of the same call), and one audit's cost.
 5. The linear algebra under the QK monitors, op by op (``--parts linalg``): a batch of 32
    heads' QR of d x 2 d_h factors, Grams, and SVDs / symmetric eigenvalues of the 2 d_h x
    2 d_h cores, in fp32 and fp64, on the device and on the host's CPU (torch's threads), to
@@ -67,6 +72,7 @@ from agent.discovery.controls import find_controls
 from agent.monitors import qk_monitor_spectra
 from agent.probes import QKSnapshots, compute_qk_samples
 from remediations.attention import AttentionPrecisionSwitch, scaled_dot_product_attention
+from remediations.kernel_audit import sign_asymmetry
 
 # ----------------------------------------------------------------------------- plans
 
@@ -635,6 +641,90 @@ def _peak_gib(fn: Callable[[], object], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+# ----------------------------------------------------------------------------- 4b. audit
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    backend: str
+    dtype: str
+    asymmetry: float | None  # the kernel audit's statistic on one call (None: backend absent)
+    repeat_gap: float | None  # ||g - g'|| / ||g|| of two backward passes of the same call
+    ms: float | None  # one audit: the captured call's forward and two backward passes
+
+
+def measure_audit(shape: AttentionShape, device: torch.device) -> list[AuditResult]:
+    """The kernel audit (``remediations.kernel_audit``) on torch's SDPA backends: its
+    statistic for a healthy kernel (0 when the backward is odd in dO bit for bit; small when
+    the kernel's accumulation order varies between calls, which ``repeat_gap`` shows), and
+    what one audit of a full call costs."""
+    g = torch.Generator(device=device).manual_seed(0)
+    size = (shape.batch, shape.heads, shape.seq, shape.dh)  # (B, H, L, d_h)
+    out: list[AuditResult] = []
+    backends = [
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ]
+    backends.append(("math", SDPBackend.MATH))
+    for name, backend in backends:
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v, d_out = (
+                torch.randn(size, generator=g, device=device).to(dtype) for _ in range(4)
+            )
+            switch = AttentionPrecisionSwitch()  # this benchmark's own
+            switch.audit.sequences = shape.batch
+            try:
+                with sdpa_kernel(backend):
+                    leaves = [t.requires_grad_() for t in (q, k, v)]
+                    switch.audit.arm(["bench"])
+                    o = scaled_dot_product_attention(
+                        *leaves, is_causal=True, layer="bench", switch=switch
+                    )
+                    first = torch.autograd.grad(o, leaves[:2], d_out)
+                    second = torch.autograd.grad(
+                        F.scaled_dot_product_attention(*leaves, is_causal=True), leaves[:2], d_out
+                    )
+                    (capture,) = switch.audit.take()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    value = sign_asymmetry(capture)
+                    _sync(device)
+                    ms = (time.perf_counter() - t0) * 1e3
+            except RuntimeError:  # the backend does not serve this device, dtype or shape
+                out.append(AuditResult(name, str(dtype), None, None, None))
+                continue
+            gap = sum(
+                float((a.double() - b.double()).norm() ** 2)
+                for a, b in zip(first, second, strict=True)
+            )
+            norm = sum(float(a.double().norm() ** 2) for a in first)
+            out.append(AuditResult(name, str(dtype), value, (gap / norm) ** 0.5, ms))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def render_audit(shape: AttentionShape, rows: list[AuditResult]) -> list[str]:
+    head = [
+        f"### The kernel audit on torch's SDPA backends (B {shape.batch}, H {shape.heads}, "
+        f"L {shape.seq}, d_h {shape.dh}, causal)",
+        "",
+        "| backend | dtype | asymmetry | two backwards differ by | one audit (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.asymmetry is None:
+            head.append(f"| {r.backend} | {r.dtype} | not served | - | - |")
+        else:
+            head.append(
+                f"| {r.backend} | {r.dtype} | {r.asymmetry:.2e} | {r.repeat_gap:.2e} | {r.ms:.1f} |"
+            )
+    return head + [""]
+
+
 # ----------------------------------------------------------------------------- 5. linalg
 
 
@@ -901,7 +991,7 @@ def render_syncs(plan: Plan, r: SyncResult) -> list[str]:
 
 # ----------------------------------------------------------------------------- main
 
-PARTS = ("qk", "step", "attention", "sync", "linalg")
+PARTS = ("qk", "step", "attention", "audit", "sync", "linalg")
 
 
 def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
@@ -928,6 +1018,8 @@ def run(plan: Plan, device: torch.device, parts: tuple[str, ...]) -> list[str]:
                 plan.attention, measure_attention(plan.attention, device, plan.repeats)
             )
         )
+    if "audit" in parts:
+        emit(render_audit(plan.attention, measure_audit(plan.attention, device)))
     if "sync" in parts:
         emit(render_syncs(plan, measure_syncs(plan, device)))
     if "linalg" in parts:

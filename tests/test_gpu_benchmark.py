@@ -107,3 +107,17 @@ def test_without_cuda_it_skips_cleanly(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no GPU found" in proc.stdout and "skipped" in proc.stdout
     assert not out.exists()
+
+
+def test_dry_run_audits_the_sdpa_backends(dry_run_table: str) -> None:
+    """The kernel audit's table: torch's CPU backends, round to nearest, audit to exactly 0
+    and repeat their backward bit for bit; a backend without a CPU kernel (efficient, in
+    torch 2.13) says so."""
+    rows = [r for r in _rows(dry_run_table) if r[0] in ("flash", "efficient", "math")]
+    assert [(r[0], r[1]) for r in rows] == [
+        (b, d) for b in ("flash", "efficient", "math") for d in ("torch.bfloat16", "torch.float16")
+    ]
+    served = [r for r in rows if r[2] != "not served"]
+    assert {r[0] for r in served} >= {"flash", "math"}
+    for _, _, asymmetry, gap, ms in served:
+        assert _number(asymmetry) == 0.0 and _number(gap) == 0.0 and _number(ms) > 0
