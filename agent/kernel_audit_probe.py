@@ -7,6 +7,11 @@ batch row by default), and at the first step boundary after that call's backward
 backward is run again on it for dO and -dO (training thread, a fraction of one layer's
 attention on one sequence): ``attention_backward_asymmetry`` for that layer at that step.
 
+Cost: a forward and two backward passes of one layer's attention on one sequence per audit,
+and one host read of the result (on a GPU, a synchronization of the training thread once per
+audit, every 50 steps by default, not per step; the other read-outs defer theirs by
+``scheduling.apply_lag`` through ``agent.host_read``, which this one does not do yet).
+
 A layer whose calls never reach a switch-aware wrapper (a Hugging Face model without
 ``install_hf_attention``, a model that calls a fused kernel itself) cannot be audited: when an
 armed layer was not called by the next audit, or a wrapper could not capture its call, the
