@@ -216,21 +216,21 @@ class Agent:
             rank=self.world.rank,
             world_size=self.world.size,
             schedule_lag=self.attributor.schedule_lag,
+            kernel_audit=self._kernel_audit_state,
         )
 
     # ------------------------------------------------------------------ construction
     def _kernel_audit(self, switch: AttentionPrecisionSwitch | None) -> KernelAuditProbe | None:
         """The audit of the attention backward's rounding (``agent.kernel_audit_probe``), or
-        None (disabled, no attention layer, or a distributed run: said once)."""
+        None (disabled, no attention layer, or a distributed run: the ``start`` event says
+        which, ``kernel_audit``)."""
         config = self.config.kernel_audit
+        self._kernel_audit_state = "on"
         if not config.enabled or not self.attention_sites:
+            self._kernel_audit_state = "off" if not config.enabled else "off: no attention layer"
             return None
-        if self.world.collective:
-            self.failures.report(
-                "kernel audit",
-                "off in a distributed run (each rank would audit alone; ranks decide alike)",
-                outcome="the other monitors go on",
-            )
+        if self.world.collective:  # each rank would audit alone; ranks decide alike
+            self._kernel_audit_state = "off: a distributed run"
             return None
         return KernelAuditProbe(
             (switch if switch is not None else attention_precision).audit,
