@@ -30,10 +30,12 @@ from agent.testbed.supervised import (
 # name -> (steps, fault start); the presets' knobs are the documented test-bed faults.
 LENGTHS = {"fast": (1500, 500), "default": (2000, 500), "long": (3000, 500)}
 # The demo's FA fault: floor (biased) rounding of dS to 7 explicit mantissa bits, bf16's width,
-# so a fault a real bf16 attention backward could produce. On the tuning seeds (0, 1) the first
-# FA alert came ~500 steps after switch-on and 15-47 steps before the first loss detector, and
-# the unwatched loss diverged 500-900 steps after the alert (benchmarks/results/detection.md,
-# "where the silent phase is"). Stronger faults (fewer bits) are quicker and louder.
+# so a fault a real bf16 attention backward could produce. Since 2026-12-07 the kernel audit
+# pages it at its first audit after switch-on (seed 0: step 501, rolled back to the checkpoint
+# of step 400); the H(Delta_2) rules alone alerted ~500 steps after switch-on on the tuning
+# seeds (0, 1), 15-47 steps before the first loss detector, and the unwatched loss diverged
+# 500-900 steps after that alert (benchmarks/results/detection.md, "where the silent phase
+# is"). Stronger faults (fewer bits) are quicker and louder.
 DEMO_FA_BITS = 7
 
 
