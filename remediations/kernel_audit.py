@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,13 +124,14 @@ class KernelAudit:
         return done
 
 
-def batch_rows(tensor: torch.Tensor | None, rows: int, batch: int) -> torch.Tensor | None:
-    """The first ``rows`` batch rows of a mask-like argument that has one per batch row (its
-    first dimension is ``batch`` and it has more than two dimensions); anything broadcast
-    over the batch (a (L, S) mask, a (1, 1, L, S) one), or not a tensor, as it is."""
-    if torch.is_tensor(tensor) and tensor.dim() > 2 and tensor.shape[0] == batch and batch > 1:
-        return tensor[:rows]
-    return tensor
+def batch_rows(value: Any, rows: int, batch: int) -> Any:
+    """The first ``rows`` batch rows of a call's argument that has one per batch row (a tensor
+    whose first dimension is ``batch``, with more than two dimensions: a per-row mask);
+    anything else (a (L, S) mask, a (1, 1, L, S) one broadcast over the batch, a number, a
+    tensor of another shape) as it is."""
+    if torch.is_tensor(value) and value.dim() > 2 and value.shape[0] == batch and batch > 1:
+        return value[:rows]
+    return value
 
 
 def sign_asymmetry(capture: Capture) -> float:
