@@ -207,8 +207,14 @@ def run(
 
     if model_name in DENSE_MODELS and scenario in ROUTER_FAULTS:
         raise ValueError(f"scenario {scenario!r} needs a router; the {model_name} model is dense")
+    from remediations.hf_attention import install_hf_attention
+
     attention = EmulatedAttention()
     model = build(seed, attention, model_name)
+    # Through the FP32 switch's dispatcher, as a user's model would be: the emulated kernel is
+    # a custom implementation the FP32 backward cannot reproduce, installed for the kernel
+    # audit (detect-only: the switch is never flipped). Bit for bit the same run.
+    install_hf_attention(model, audit_any_implementation=True)
     # The routers' weights (``...mlp.gate.weight``; not Qwen2-MoE's ``shared_expert_gate``).
     routers = [p for n, p in model.named_parameters() if _is_router(n)]
     others = [p for n, p in model.named_parameters() if not _is_router(n)]

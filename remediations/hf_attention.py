@@ -105,12 +105,21 @@ def register_module_names(model: torch.nn.Module) -> int:
 
 # -- installation -----------------------------------------------------------------------------
 def install_hf_attention(
-    model: torch.nn.Module, *, switch: AttentionPrecisionSwitch = attention_precision
+    model: torch.nn.Module,
+    *,
+    switch: AttentionPrecisionSwitch = attention_precision,
+    audit_any_implementation: bool = False,
 ) -> str | None:
     """Make every attention module of ``model`` that consults transformers' attention interface
     consult ``switch`` too (see the module docstring). Returns the model's attention
     implementation, which it keeps. Raises ``ValueError`` naming the module and the argument or
-    implementation it cannot honour."""
+    implementation it cannot honour.
+
+    ``audit_any_implementation``: also install on an implementation the FP32 backward cannot
+    reproduce (flash, flex, a kernel registered under a name of your own) instead of refusing
+    it: its calls go through the switch, so the kernel audit (``remediations.kernel_audit``)
+    covers them, and switching such a layer to FP32 leaves its backward as it was, with a
+    warning (the dispatcher's). The other refusals stand."""
     interface = _attention_interface()
     config = getattr(model, "config", None)
     if config is None:
@@ -127,7 +136,7 @@ def install_hf_attention(
         )
     problems = []
     for name, module in found.consulting:
-        problems += _refusals(name, module, model)
+        problems += _refusals(name, module, model, any_implementation=audit_any_implementation)
     if problems:
         raise ValueError("install_hf_attention: " + "; ".join(problems))
     if found.unread:
@@ -182,10 +191,12 @@ def _implementation(module: torch.nn.Module, model: torch.nn.Module) -> object:
     return None
 
 
-def _refusals(name: str, module: torch.nn.Module, model: torch.nn.Module) -> list[str]:
+def _refusals(
+    name: str, module: torch.nn.Module, model: torch.nn.Module, *, any_implementation: bool = False
+) -> list[str]:
     where = f"{name} ({type(module).__name__})"
     impl = _implementation(module, model)
-    if impl not in SUPPORTED_IMPLEMENTATIONS:
+    if impl not in SUPPORTED_IMPLEMENTATIONS and not any_implementation:
         return [
             f"{where} runs attention implementation {impl!r}; the FP32 backward reproduces "
             f"only {' and '.join(map(repr, SUPPORTED_IMPLEMENTATIONS))} exactly: call "

@@ -75,3 +75,26 @@ def test_the_dense_llama_trains_under_the_agent_without_a_router(tmp_path):
     assert '"model.layers.3.self_attn"' in start and '"routers": []' in start
     with pytest.raises(ValueError, match="router_x30_nobal.*dense"):
         detection_hf.run("router_x30_nobal", 3, 2, tmp_path / "r", model_name="llama")
+
+
+def _audits(run_dir: Path) -> dict[int, float]:
+    from agent.eventlog import read_events
+
+    return {
+        step: value
+        for e in read_events(run_dir / "events.jsonl", "metrics")
+        for step, name, _, value in e["samples"]
+        if name == "attention_backward_asymmetry"
+    }
+
+
+def test_the_kernel_audit_reaches_the_hf_models_own_kernel(tmp_path):
+    """install_hf_attention(audit_any_implementation=True) puts the benchmark's custom kernel
+    behind the switch's dispatcher: the agent audits it (armed at step 0, measured at step 1):
+    exactly 0 before the fault, above 1e-4 with the floor fault on from step 0."""
+    detection_hf.run("clean", 3, 3, tmp_path / "clean", fault_start=6)
+    detection_hf.run("fa_floor_4", 3, 3, tmp_path / "fa", fault_start=0)
+    start = (tmp_path / "fa" / "events.jsonl").read_text().splitlines()[0]
+    assert '"kernel_audit": "on"' in start
+    assert _audits(tmp_path / "clean") == {1: 0.0}
+    assert _audits(tmp_path / "fa")[1] > 1e-4
