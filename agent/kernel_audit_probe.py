@@ -31,7 +31,8 @@ from remediations.kernel_audit import KernelAudit, sign_asymmetry
 Report = Callable[[str, str], None]
 NOT_CALLED = (
     "its calls do not go through the FP32-backward switch's attention wrappers "
-    "(install_hf_attention for a Hugging Face model; "
+    "(install_hf_attention for a Hugging Face model, with audit_any_implementation=True for "
+    "flash, flex or a custom kernel; "
     "remediations.fp32_attention.scaled_dot_product_attention for your own attention)"
 )
 
