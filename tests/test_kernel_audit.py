@@ -187,3 +187,30 @@ def test_torch_compile_captures_and_stops_recompiling() -> None:
         assert all(sign_asymmetry(c) == 0.0 for c in captures)
         frames.append(counter.frame_count)
     assert frames[-1] == frames[5] <= 6
+
+
+def test_probe_says_once_when_no_layer_reaches_a_wrapper_and_drops_an_unreached_one() -> None:
+    from agent.kernel_audit_probe import KernelAuditProbe
+
+    said: list[tuple[str, str]] = []
+    audit = KernelAudit()
+    probe = KernelAuditProbe(audit, ["a", "b"], 10, 1, lambda what, text: said.append((what, text)))
+    assert probe.on_step(0) == [] and audit.pending() == {"a"}
+    for step in range(1, 21):  # "a" is never called: no layer ever reached a wrapper
+        assert probe.on_step(step) == []
+    assert probe.layers == [] and audit.pending() == frozenset()
+    assert len(said) == 1 and said[0][1].startswith("no attention layer is audited")
+
+    # One layer measured, the other never called: only that one is dropped, said once.
+    said.clear()
+    switch = AttentionPrecisionSwitch()
+    probe = KernelAuditProbe(switch.audit, ["l0", "b"], 10, 1, lambda w, t: said.append((w, t)))
+    probe.on_step(0)  # arms l0
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+    out = scaled_dot_product_attention(q, q, q, is_causal=True, layer="l0", switch=switch)
+    out.sum().backward()
+    (sample,) = probe.on_step(1)
+    assert sample.metric == "attention_backward_asymmetry" and sample.value == 0.0
+    probe.on_step(10)  # arms b
+    probe.on_step(20)  # b was never called
+    assert probe.layers == ["l0"] and len(said) == 1 and said[0][1].startswith("b is not")
