@@ -61,7 +61,7 @@ from agent.distributed.wiring import (
 from agent.eventlog import EVENT_LOG_FORMAT, EventLog
 from agent.failures import FailureLog
 from agent.incidents import Incident, IncidentEvent, RunContext
-from agent.kernel_audit_probe import KernelAuditProbe
+from agent.kernel_audit_probe import build_kernel_audit
 from agent.metric_sinks import build_sinks, write_round
 from agent.monitor_thread import MonitorThread
 from agent.notify.base import Notifier
@@ -168,7 +168,13 @@ class Agent:
             costs=self._costs,
         )
 
-        self.kernel_audit = self._kernel_audit(attention_switch)
+        self.kernel_audit, kernel_audit_state = build_kernel_audit(
+            config.kernel_audit,
+            [site.name for site in self.attention_sites],
+            (attention_switch if attention_switch is not None else attention_precision).audit,
+            distributed=self.world.collective,
+            report=self.failures.report,
+        )
 
         # Decisions and actions.
         monitored = {
@@ -216,30 +222,10 @@ class Agent:
             rank=self.world.rank,
             world_size=self.world.size,
             schedule_lag=self.attributor.schedule_lag,
-            kernel_audit=self._kernel_audit_state,
+            kernel_audit=kernel_audit_state,
         )
 
     # ------------------------------------------------------------------ construction
-    def _kernel_audit(self, switch: AttentionPrecisionSwitch | None) -> KernelAuditProbe | None:
-        """The audit of the attention backward's rounding (``agent.kernel_audit_probe``), or
-        None (disabled, no attention layer, or a distributed run: the ``start`` event says
-        which, ``kernel_audit``)."""
-        config = self.config.kernel_audit
-        self._kernel_audit_state = "on"
-        if not config.enabled or not self.attention_sites:
-            self._kernel_audit_state = "off" if not config.enabled else "off: no attention layer"
-            return None
-        if self.world.collective:  # each rank would audit alone; ranks decide alike
-            self._kernel_audit_state = "off: a distributed run"
-            return None
-        return KernelAuditProbe(
-            (switch if switch is not None else attention_precision).audit,
-            [site.name for site in self.attention_sites],
-            config.every,
-            config.sequences,
-            self.failures.report,
-        )
-
     @classmethod
     def from_config(
         cls,

@@ -23,10 +23,14 @@ same samples (``agent.distributed``), so the audit stays off there and says so o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from agent import samples as m
 from agent.samples import Sample, labels_of
 from remediations.kernel_audit import KernelAudit, sign_asymmetry
+
+if TYPE_CHECKING:
+    from agent.config import KernelAuditConfig
 
 Report = Callable[[str, str], None]
 NOT_CALLED = (
@@ -94,3 +98,23 @@ class KernelAuditProbe:
 
     def close(self) -> None:
         self.audit.disarm()
+
+
+def build_kernel_audit(
+    config: KernelAuditConfig,
+    layers: list[str],
+    audit: KernelAudit,
+    *,
+    distributed: bool,
+    report: Report,
+) -> tuple[KernelAuditProbe | None, str]:
+    """The agent's probe on ``audit`` (its switch's) and the state its ``start`` event records
+    (``kernel_audit``: "on", "off", "off: no attention layer", "off: a distributed run": each
+    rank would audit alone, and the ranks decide alike)."""
+    if not config.enabled:
+        return None, "off"
+    if not layers:
+        return None, "off: no attention layer"
+    if distributed:
+        return None, "off: a distributed run"
+    return KernelAuditProbe(audit, layers, config.every, config.sequences, report), "on"
