@@ -171,8 +171,8 @@ class Agent:
         self.kernel_audit, kernel_audit_state = build_kernel_audit(
             config.kernel_audit,
             [site.name for site in self.attention_sites],
-            (attention_switch if attention_switch is not None else attention_precision).audit,
-            distributed=self.world.collective,
+            attention_switch if attention_switch is not None else attention_precision,
+            self.world,
             report=self.failures.report,
         )
 

@@ -15,9 +15,9 @@ audit, every 50 steps by default, not per step; the other read-outs defer theirs
 A layer whose calls never reach a switch-aware wrapper (a Hugging Face model without
 ``install_hf_attention``, a model that calls a fused kernel itself) cannot be audited: when an
 armed layer was not called by the next audit, or a wrapper could not capture its call, the
-agent says so once (``report``) and audits the other layers. One process only: in a
-distributed run each rank's audit would give its own samples, and the ranks decide on the
-same samples (``agent.distributed``), so the audit stays off there and says so once.
+agent says so once (``report``) and audits the other layers. In a distributed job each rank
+audits its own calls and the ranks exchange their values (``agent.distributed.kernel_audit``:
+the largest per layer), so every rank decides on the same samples.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ from remediations.kernel_audit import KernelAudit, sign_asymmetry
 
 if TYPE_CHECKING:
     from agent.config import KernelAuditConfig
+    from agent.distributed.world import World
+    from remediations.attention_switch import AttentionPrecisionSwitch
 
 Report = Callable[[str, str], None]
+CallNames = Callable[[], frozenset[str | None]]  # the layer names wrappers have called
 NOT_CALLED = (
     "its calls do not go through the FP32-backward switch's attention wrappers "
     "(install_hf_attention for a Hugging Face model, with audit_any_implementation=True for "
@@ -45,14 +48,24 @@ class KernelAuditProbe:
     """Arms the layers in turn and measures what was captured (see the module docstring)."""
 
     def __init__(
-        self, audit: KernelAudit, layers: list[str], every: int, sequences: int, report: Report
+        self,
+        audit: KernelAudit,
+        layers: list[str],
+        every: int,
+        sequences: int,
+        report: Report,
+        *,
+        call_names: CallNames = frozenset,
     ) -> None:
         self.audit = audit
         self.audit.sequences = sequences
         self.layers = list(layers)
         self.every = every
         self.report = report
+        self.call_names = call_names
         self._labels = {name: labels_of(layer=name) for name in self.layers}
+        self._call: dict[str, str] = {}  # layer -> the name its wrapper calls it by, once known
+        self._layer_of: dict[str, str] = {}  # the reverse
         self._next = 0  # index of the layer the next audit arms
         self._said: set[str] = set()  # layers already reported as not auditable
         self._measured = False  # whether any audit has been measured yet
@@ -60,16 +73,23 @@ class KernelAuditProbe:
     def on_step(self, step: int) -> list[Sample]:
         """The samples of the audits whose backward has arrived; arms the next layer on audit
         steps. Runs the replays (training thread, between steps)."""
-        out = [
-            Sample(step, m.ATTENTION_BACKWARD_ASYMMETRY, sign_asymmetry(c), self._labels[c.layer])
-            for c in self.audit.take()
-            if c.layer in self._labels
-        ]
-        for layer, why in list(self.audit.unaudited.items()):
-            self._unauditable(layer, f"a wrapper could not capture its call: {why}")
+        out = []
+        for c in self.audit.take():
+            layer = self._layer_of.get(c.layer, c.layer)
+            if layer in self._labels:
+                value = sign_asymmetry(c)
+                out.append(Sample(step, m.ATTENTION_BACKWARD_ASYMMETRY, value, self._labels[layer]))
+        for called, why in list(self.audit.unaudited.items()):
+            self.audit.unaudited.pop(called)
+            self._unauditable(
+                self._layer_of.get(called, called), f"a wrapper could not capture its call: {why}"
+            )
         self._measured = self._measured or bool(out)
         if step % self.every == 0 and self.layers:
-            for layer in self.audit.pending() & set(self.layers):
+            for called in self.audit.pending():
+                layer = self._layer_of.get(called, called)
+                if layer not in self.layers:
+                    continue
                 if not self._measured:  # no layer ever reached a wrapper: none will
                     for other in list(self.layers):
                         self._unauditable(other, NOT_CALLED, say=False)
@@ -77,17 +97,35 @@ class KernelAuditProbe:
                     return out
                 self._unauditable(layer, NOT_CALLED)
             if self.layers:
-                self.audit.arm([self.layers[self._next % len(self.layers)]])
+                self.audit.arm([self._called(self.layers[self._next % len(self.layers)])])
                 self._next = (self._next + 1) % len(self.layers)
         return out
 
+    def _called(self, layer: str) -> str:
+        """The name ``layer``'s wrapper calls it by: the agent's module path, or, when the
+        model was wrapped after its attention was named (DDP's ``module.``, torch.compile's
+        ``_orig_mod.``), the one name the wrappers used that ends that path (or that the path
+        ends), once they have been called."""
+        known = self._call.get(layer)
+        if known is not None:
+            return known
+        names = {n for n in self.call_names() if n is not None}
+        if layer in names:
+            found = [layer]
+        else:
+            found = [n for n in names if layer.endswith("." + n) or n.endswith("." + layer)]
+        if len(found) != 1:
+            return layer  # not called yet, or ambiguous: armed under its own name
+        self._call[layer] = found[0]
+        self._layer_of[found[0]] = layer
+        return found[0]
+
     def _unauditable(self, layer: str, why: str, *, say: bool = True) -> None:
         """Stop auditing ``layer``; say why once."""
-        self.audit.unaudited.pop(layer, None)
         if layer in self.layers:
             self.layers.remove(layer)
             self._next = self._next % len(self.layers) if self.layers else 0
-        self.audit.disarm_layer(layer)
+        self.audit.disarm_layer(self._call.get(layer, layer))
         if say and layer not in self._said:
             self._said.add(layer)
             self.report("kernel audit", f"{layer} is not audited: {why}")
@@ -103,18 +141,23 @@ class KernelAuditProbe:
 def build_kernel_audit(
     config: KernelAuditConfig,
     layers: list[str],
-    audit: KernelAudit,
+    switch: AttentionPrecisionSwitch,
+    world: World,
     *,
-    distributed: bool,
     report: Report,
 ) -> tuple[KernelAuditProbe | None, str]:
-    """The agent's probe on ``audit`` (its switch's) and the state its ``start`` event records
-    (``kernel_audit``: "on", "off", "off: no attention layer", "off: a distributed run": each
-    rank would audit alone, and the ranks decide alike)."""
+    """The agent's probe on ``switch.audit`` and the state its ``start`` event records
+    (``kernel_audit``: "on", "off", "off: no attention layer"). In a distributed job every
+    rank audits its own calls and the ranks exchange what they measured
+    (``agent.distributed.kernel_audit``): every rank gets the same samples."""
     if not config.enabled:
         return None, "off"
     if not layers:
         return None, "off: no attention layer"
-    if distributed:
-        return None, "off: a distributed run"
-    return KernelAuditProbe(audit, layers, config.every, config.sequences, report), "on"
+    args = (switch.audit, layers, config.every, config.sequences, report)
+    names = {"call_names": lambda: switch.consulted_layers}
+    if world.collective:
+        from agent.distributed.kernel_audit import DistributedKernelAuditProbe
+
+        return DistributedKernelAuditProbe(*args, world=world, **names), "on"
+    return KernelAuditProbe(*args, **names), "on"

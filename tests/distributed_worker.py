@@ -53,6 +53,16 @@ RULES = """groups:
         family: symptom
         actions: [page]
 """
+AUDIT_RULE = """
+      - name: one_way_rounding
+        metric: attention_backward_asymmetry
+        detector: {type: threshold, above: 1.0e-4}
+        for: 0
+        keep_firing_for: 2
+        severity: critical
+        family: fa_precision
+        actions: [attention_fp32_backward, page]
+"""
 
 
 class Recorder:
@@ -103,7 +113,7 @@ def main(rank: int, world: int, init: str, tmp: str, scenarios: list[str]) -> No
         dist.destroy_process_group()
 
 
-def _setup(run: Path, wrap: str, **config: Any):
+def _setup(run: Path, wrap: str, rules_text: str = RULES, **config: Any):
     torch.manual_seed(0)
     model = MoETransformer(SHAPE)
     if wrap == "ddp":
@@ -121,7 +131,7 @@ def _setup(run: Path, wrap: str, **config: Any):
     rules = run / "rules.yaml"
     if dist.get_rank() == 0:
         run.mkdir(parents=True, exist_ok=True)
-        rules.write_text(RULES)
+        rules.write_text(rules_text)
     dist.barrier()
     base = {
         "run_dir": run,
@@ -337,7 +347,52 @@ def fetch(rank: int, run: Path, scenario: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-SCENARIOS = {"fault": fault, "fetch": fetch}
+def audit(rank: int, run: Path, scenario: str) -> dict[str, Any]:
+    """``audit:<ddp|fsdp|tp>``: from step 12 rank 1's attention backward rounds dS toward -inf
+    (4 mantissa bits); rank 0's stays exact. Kernel audit every 5 steps."""
+    from agent.testbed.attention import AttentionFault
+    from remediations.attention_switch import AttentionPrecisionSwitch, attention_precision
+
+    wrap = scenario.split(":")[1]
+    model, opt, sched, loader, agent, recorder = _setup(
+        run, wrap, RULES + AUDIT_RULE, kernel_audit={"every": 5}
+    )
+    inner = model.module if wrap == "ddp" else model
+    try:
+        for step in range(30):
+            if step == 12 and rank == 1:
+                inner.set_attention_fault(AttentionFault(("dS",), 4, "floor"))
+            loss = _train_step(model, opt, sched, loader.next())
+            assert agent.step(step, loss=loss) == step + 1
+        start = next(e for e in read_events(run / _log(rank)) if e["kind"] == "start")
+        switched = sorted(attention_precision.state_dict()["included"])
+        switched_all = attention_precision.state_dict()["all"]
+    finally:
+        agent.close()
+        attention_precision.load_state_dict(AttentionPrecisionSwitch().state_dict())
+    time.sleep(0.5)  # the page sender thread
+    events = read_events(run / _log(rank))
+    return {
+        "kernel_audit": start["kernel_audit"],
+        "asymmetry": [
+            [s, labels["layer"].replace("module.", ""), v]
+            for e in events if e["kind"] == "metrics"
+            for s, metric, labels, v in e["samples"] if metric == "attention_backward_asymmetry"
+        ],
+        "alerts": [(e["step"], e["rule"], e["transition"]) for e in events if e["kind"] == "alert"],
+        "actions": [(e["action"], e["status"], e["step"]) for e in events if e["kind"] == "action"],
+        "switched": [switched_all, switched],
+        "errors": [(e["what"], e["error"]) for e in events if e["kind"] == "error"],
+        "pages": [(e.kind, e.incident.family) for e in recorder.events],
+        "params": _digest(_full(model)),
+    }  # fmt: skip
+
+
+def _log(rank: int) -> str:
+    return "events.jsonl" if rank == 0 else f"events.rank{rank}.jsonl"
+
+
+SCENARIOS = {"fault": fault, "fetch": fetch, "audit": audit}
 
 
 def killed(rank: int, world: int, init: str, tmp: str) -> None:

@@ -17,8 +17,11 @@ import torch.multiprocessing as mp
 
 from agent.distributed.checkpoint_format import MANIFEST, read_manifest, verify_file
 
-DDP = ["fault:ddp:spike", "fault:ddp:nan", "fault:ddp:raise", "fault:ddp:stall"]
-SHARDED = ["fault:fsdp:spike", "fault:tp:spike", "fetch:gqa", "fetch:mqa", "fetch:tp"]
+DDP = ["fault:ddp:spike", "fault:ddp:nan", "fault:ddp:raise", "fault:ddp:stall", "audit:ddp"]
+SHARDED = [
+    "fault:fsdp:spike", "fault:tp:spike", "fetch:gqa", "fetch:mqa", "fetch:tp", "audit:fsdp",
+    "audit:tp",
+]  # fmt: skip
 FOUR = ["fault:ddp:spike", "fault:fsdp:spike"]
 QK_METRICS = ("qk_delta2_entropy", "dwq_entropy", "wq_spectral_norm")
 
@@ -241,6 +244,36 @@ def test_the_watchdog_names_a_rank_that_stops_stepping(ddp):
     ]
     assert ranks[0]["pages"][0][1].startswith("run-hung1-s")
     assert ranks[1]["alerts"] == [] and ranks[1]["moves"] == []
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "tp"])
+def test_a_kernel_that_rounds_one_way_on_one_rank_is_found_by_every_rank(wrap, ddp, sharded):
+    """From step 12 rank 1's attention backward rounds dS toward -inf; rank 0's is exact.
+    Every rank audits its own calls (every 5 steps, the layers in turn) and takes the largest
+    value over the ranks: before the fault every audit is exactly 0; the first audit after it
+    (armed at 15, measured at 16) is rank 1's bias on every rank, so every rank fires at 16,
+    switches the attention backward to fp32, and the later audits (through the fp32
+    backward) are 0 again. Rank 0 pages fa_precision once; the replicas stay identical."""
+    ranks = (ddp if wrap == "ddp" else sharded)[f"audit:{wrap}"]
+    _same_everywhere(ranks, "asymmetry", "alerts", "actions", "switched", "params")
+    assert [r["kernel_audit"] for r in ranks] == ["on", "on"]
+    assert all(r["errors"] == [] for r in ranks)
+    series = ranks[0]["asymmetry"]
+    layers = ["blocks.0.attn", "blocks.1.attn"]
+    assert [(s, layer) for s, layer, _ in series] == [
+        (1, layers[0]), (6, layers[1]), (11, layers[0]), (16, layers[1]), (21, layers[0]),
+        (26, layers[1]),
+    ]  # fmt: skip
+    values = [v for _, _, v in series]
+    assert values[:3] == [0.0, 0.0, 0.0] and values[4:] == [0.0, 0.0]
+    assert values[3] > 1e-3  # 4-bit floor rounding of dS: about 3e-2 on the test bed
+    assert ranks[0]["alerts"][:2] == [
+        [16, "one_way_rounding", "inactive->pending"], [16, "one_way_rounding", "pending->firing"],
+    ]  # fmt: skip
+    assert ranks[0]["actions"][0] == ["attention_fp32_backward", "applied", 16]
+    assert ranks[0]["switched"] == [True, []]
+    assert [tuple(p) for p in ranks[0]["pages"]][:1] == [("opened", "fa_precision")]
+    assert ranks[1]["pages"] == []
 
 
 def test_a_killed_rank_fails_the_job_cleanly_and_leaves_nothing_that_counts(tmp_path):
