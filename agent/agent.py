@@ -174,6 +174,7 @@ class Agent:
             attention_switch if attention_switch is not None else attention_precision,
             self.world,
             report=self.failures.report,
+            lag=config.scheduling.apply_lag,
         )
 
         # Decisions and actions.

@@ -8,9 +8,9 @@ backward is run again on it for dO and -dO (training thread, a fraction of one l
 attention on one sequence): ``attention_backward_asymmetry`` for that layer at that step.
 
 Cost: a forward and two backward passes of one layer's attention on one sequence per audit,
-and one host read of the result (on a GPU, a synchronization of the training thread once per
-audit, every 50 steps by default, not per step; the other read-outs defer theirs by
-``scheduling.apply_lag`` through ``agent.host_read``, which this one does not do yet).
+and one host read of two numbers. From a GPU that read is started at the audit and taken
+``scheduling.apply_lag`` steps later (``agent.host_read``: the training thread never waits
+for the device); the sample keeps the audit's step.
 
 A layer whose calls never reach a switch-aware wrapper (a Hugging Face model without
 ``install_hf_attention``, a model that calls a fused kernel itself) cannot be audited: when an
@@ -26,8 +26,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agent import samples as m
+from agent.host_read import HostRead
 from agent.samples import Sample, labels_of
-from remediations.kernel_audit import KernelAudit, sign_asymmetry
+from remediations.kernel_audit import KernelAudit, asymmetry, sign_parts
 
 if TYPE_CHECKING:
     from agent.config import KernelAuditConfig
@@ -56,6 +57,7 @@ class KernelAuditProbe:
         report: Report,
         *,
         call_names: CallNames = frozenset,
+        lag: int = 0,
     ) -> None:
         self.audit = audit
         self.audit.sequences = sequences
@@ -63,6 +65,9 @@ class KernelAuditProbe:
         self.every = every
         self.report = report
         self.call_names = call_names
+        self.lag = lag  # steps before a result in flight from a GPU is read (apply_lag)
+        # results on their way to the host: (due step, measured step, layer, read)
+        self._reads: list[tuple[int, int, str, HostRead]] = []
         self._labels = {name: labels_of(layer=name) for name in self.layers}
         self._call: dict[str, str] = {}  # layer -> the name its wrapper calls it by, once known
         self._layer_of: dict[str, str] = {}  # the reverse
@@ -73,18 +78,19 @@ class KernelAuditProbe:
     def on_step(self, step: int) -> list[Sample]:
         """The samples of the audits whose backward has arrived; arms the next layer on audit
         steps. Runs the replays (training thread, between steps)."""
-        out = []
         for c in self.audit.take():
             layer = self._layer_of.get(c.layer, c.layer)
             if layer in self._labels:
-                value = sign_asymmetry(c)
-                out.append(Sample(step, m.ATTENTION_BACKWARD_ASYMMETRY, value, self._labels[layer]))
+                read = HostRead(sign_parts(c))
+                due = step + self.lag if read.in_flight else step
+                self._reads.append((due, step, layer, read))
+                self._measured = True
+        out = self._arrived(step)
         for called, why in list(self.audit.unaudited.items()):
             self.audit.unaudited.pop(called)
             self._unauditable(
                 self._layer_of.get(called, called), f"a wrapper could not capture its call: {why}"
             )
-        self._measured = self._measured or bool(out)
         if step % self.every == 0 and self.layers:
             for called in self.audit.pending():
                 layer = self._layer_of.get(called, called)
@@ -99,6 +105,19 @@ class KernelAuditProbe:
             if self.layers:
                 self.audit.arm([self._called(self.layers[self._next % len(self.layers)])])
                 self._next = (self._next + 1) % len(self.layers)
+        return out
+
+    def _arrived(self, step: int) -> list[Sample]:
+        """The samples of the results due by ``step``: at once on a CPU, ``lag`` steps after
+        their audit from a GPU (the copy has long arrived: no wait)."""
+        out, keep = [], []
+        for due, measured, layer, read in self._reads:
+            if due > step:
+                keep.append((due, measured, layer, read))
+                continue
+            value = asymmetry(*read.tolist())
+            out.append(Sample(measured, m.ATTENTION_BACKWARD_ASYMMETRY, value, self._labels[layer]))
+        self._reads = keep
         return out
 
     def _called(self, layer: str) -> str:
@@ -131,11 +150,14 @@ class KernelAuditProbe:
             self.report("kernel audit", f"{layer} is not audited: {why}")
 
     def restart(self) -> None:
-        """After a rollback: what was armed or captured belongs to the abandoned path."""
+        """After a rollback: what was armed, captured or measured belongs to the abandoned
+        path."""
         self.audit.disarm()
+        self._reads.clear()
 
     def close(self) -> None:
         self.audit.disarm()
+        self._reads.clear()
 
 
 def build_kernel_audit(
@@ -145,17 +167,19 @@ def build_kernel_audit(
     world: World,
     *,
     report: Report,
+    lag: int = 0,
 ) -> tuple[KernelAuditProbe | None, str]:
     """The agent's probe on ``switch.audit`` and the state its ``start`` event records
-    (``kernel_audit``: "on", "off", "off: no attention layer"). In a distributed job every
-    rank audits its own calls and the ranks exchange what they measured
-    (``agent.distributed.kernel_audit``): every rank gets the same samples."""
+    (``kernel_audit``: "on", "off", "off: no attention layer"); ``lag`` is
+    ``scheduling.apply_lag``. In a distributed job every rank audits its own calls and the
+    ranks exchange what they measured (``agent.distributed.kernel_audit``): every rank gets
+    the same samples."""
     if not config.enabled:
         return None, "off"
     if not layers:
         return None, "off: no attention layer"
     args = (switch.audit, layers, config.every, config.sequences, report)
-    names = {"call_names": lambda: switch.consulted_layers}
+    names = {"call_names": lambda: switch.consulted_layers, "lag": lag}
     if world.collective:
         from agent.distributed.kernel_audit import DistributedKernelAuditProbe
 

@@ -136,23 +136,36 @@ def batch_rows(value: Any, rows: int, batch: int) -> Any:
 
 def sign_asymmetry(capture: Capture) -> float:
     """||g(dO) + g(-dO)|| / ||g(dO) - g(-dO)|| over the gradients of q and k (module
-    docstring); nan when the gradient is zero."""
+    docstring); nan when the gradient is zero. Reads the result on the host at once (on a GPU
+    a synchronization: the agent takes ``sign_parts`` through ``agent.host_read`` instead)."""
+    return asymmetry(*sign_parts(capture).tolist())
+
+
+def sign_parts(capture: Capture) -> torch.Tensor:
+    """(2,) on the capture's device: the squared norms of the even and the odd parts,
+    ||g(dO) + g(-dO)||^2 and ||g(dO) - g(-dO)||^2 (float64; float32 where the device has no
+    float64). Queues the replay's kernels; reads nothing back."""
     upstream = capture.upstream
     if upstream is None:
         raise ValueError(f"{capture.layer}: the upstream gradient never arrived")
     device = capture.query.device
     cuda = [device.index or 0] if device.type == "cuda" else []
+    wide = torch.float32 if device.type == "mps" else torch.float64
     # The replay draws no random numbers from the run (a kernel's dropout would): forked.
     with torch.random.fork_rng(devices=cuda), torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (capture.query, capture.key, capture.value))
         out = capture.replay(q, k, v)
         plus = torch.autograd.grad(out, (q, k), upstream, retain_graph=True, allow_unused=True)
         minus = torch.autograd.grad(out, (q, k), -upstream, allow_unused=True)
-    even = odd = 0.0
-    for p, m in zip(plus, minus, strict=True):
-        if p is None or m is None:
+    parts = torch.zeros(2, dtype=wide, device=device)
+    for g_plus, g_minus in zip(plus, minus, strict=True):
+        if g_plus is None or g_minus is None:
             continue
-        p64, m64 = p.double(), m.double()
-        even += float(((p64 + m64) ** 2).sum())  # one host read per tensor, at an audit only
-        odd += float(((p64 - m64) ** 2).sum())
+        a, b = g_plus.to(wide), g_minus.to(wide)
+        parts += torch.stack(((a + b).square().sum(), (a - b).square().sum()))
+    return parts
+
+
+def asymmetry(even: float, odd: float) -> float:
+    """The statistic from ``sign_parts``' two squared norms; nan when the gradient is 0."""
     return (even / odd) ** 0.5 if odd > 0 else float("nan")

@@ -214,3 +214,58 @@ def test_probe_says_once_when_no_layer_reaches_a_wrapper_and_drops_an_unreached_
     probe.on_step(10)  # arms b
     probe.on_step(20)  # b was never called
     assert probe.layers == ["l0"] and len(said) == 1 and said[0][1].startswith("b is not")
+
+
+def _call_layer(switch: AttentionPrecisionSwitch, name: str, fault=None) -> None:
+    """One training call of attention layer ``name`` (as its wrapper calls it) and its
+    backward."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g).requires_grad_() for _ in "qkv")
+    out = scaled_dot_product_attention(
+        q, k, v, is_causal=True, layer=name, switch=switch, fallback=_emulated(fault)
+    )
+    out.square().sum().backward()
+
+
+def test_probe_arms_a_layer_by_the_name_its_wrapper_calls_it() -> None:
+    """The agent found "module.blocks.0.attn" (a DDP-wrapped model) while the wrapper calls it
+    "blocks.0.attn" (named before wrapping): the audit is armed under the wrapper's name, and
+    the sample is labelled with the agent's."""
+    from agent.kernel_audit_probe import KernelAuditProbe
+
+    switch = AttentionPrecisionSwitch()
+    probe = KernelAuditProbe(
+        switch.audit, ["module.blocks.0.attn"], 5, 1, lambda w, t: None,
+        call_names=lambda: switch.consulted_layers,
+    )  # fmt: skip
+    _call_layer(switch, "blocks.0.attn")  # the first step: the wrapper asks the switch
+    probe.on_step(0)
+    assert switch.audit.pending() == {"blocks.0.attn"}
+    _call_layer(switch, "blocks.0.attn", AttentionFault(bits=4, mode="floor"))
+    (sample,) = probe.on_step(1)
+    assert sample.label_dict == {"layer": "module.blocks.0.attn"} and sample.value > 1e-3
+
+
+def test_a_result_in_flight_from_a_device_is_taken_apply_lag_steps_later(monkeypatch) -> None:
+    """From a GPU the audit's two numbers travel to the host without a wait (HostRead): the
+    sample keeps its audit's step and reaches the rules ``lag`` steps later. Here a CPU read
+    that says it is in flight stands for the CUDA copy."""
+    import agent.kernel_audit_probe as probe_module
+    from agent.host_read import HostRead
+
+    class InFlight(HostRead):
+        in_flight = True
+
+    monkeypatch.setattr(probe_module, "HostRead", InFlight)
+    switch = AttentionPrecisionSwitch()
+    probe = probe_module.KernelAuditProbe(switch.audit, ["l0"], 10, 1, lambda w, t: None, lag=3)
+    probe.on_step(0)
+    _call_layer(switch, "l0", AttentionFault(bits=4, mode="floor"))
+    assert [probe.on_step(s) for s in (1, 2, 3)] == [[], [], []]
+    (sample,) = probe.on_step(4)
+    assert sample.step == 1 and sample.value > 1e-3
+    probe.on_step(10)  # the next audit, measured at 11; a rollback drops it before it arrives
+    _call_layer(switch, "l0")
+    assert probe.on_step(11) == []
+    probe.restart()
+    assert [probe.on_step(s) for s in (12, 13, 14, 15)] == [[], [], [], []]

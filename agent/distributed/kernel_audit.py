@@ -10,8 +10,9 @@ taken at the exchange step. The values travel in one ``all_gather_object`` of a 
 (training thread), in the same order on every rank.
 
 Exchange steps depend on the step and ``kernel_audit.every`` only, never on what a rank
-measured: the steps where a layer is armed (``step % every == 0``) and the step after them
-(where an audit armed at t is measured when the loop steps every step). A rank that measured
+measured: the steps where a layer is armed (``step % every == 0``), the step after them
+(where an audit armed at t is measured when the loop steps every step) and ``apply_lag``
+steps later (where that result arrives from a GPU: ``agent.host_read``). A rank that measured
 nothing (its layer was not called, it has stopped auditing) still takes part, with nothing.
 A collective that fails raises ``RankFailure`` out of ``agent.step``: the job stops.
 """
@@ -53,7 +54,7 @@ class DistributedKernelAuditProbe(KernelAuditProbe):
 
     def exchanges_at(self, step: int) -> bool:
         """Whether ``step`` is an exchange step (the same on every rank)."""
-        return step % self.every in (0, 1 % self.every)
+        return step % self.every in (0, 1 % self.every, (1 + self.lag) % self.every)
 
     def restart(self) -> None:
         super().restart()
