@@ -77,16 +77,35 @@ class RouterMonitorConfig(_Strict):
     default_top_k: int = Field(1, ge=1, description="top-k for load statistics when undeclared")
 
 
+MAX_AUDIT_EVERY = 50  # steps: the derived cadence of a model with few layers
+
+
 class KernelAuditConfig(_Strict):
     enabled: bool = Field(
         True,
         description="audit the attention backward's rounding (remediations/kernel_audit.py): "
         "needs the layers to run through the FP32-backward switch's wrappers",
     )
-    every: int = Field(
-        50, ge=1, description="steps between two audits; each audits the next layer in turn"
+    every: int | None = Field(
+        None,
+        ge=1,
+        description="steps between two audits; each audits the next layer in turn (None: "
+        "sweep_steps / the layers, at most 50)",
+    )
+    sweep_steps: int = Field(
+        100,
+        ge=1,
+        description="every layer is audited at least once in this many steps when `every` is "
+        "not set (a fault in one layer is found within it: keep the audit rule's rollback "
+        "margin_steps at least this)",
     )
     sequences: int = Field(1, ge=1, description="batch rows of the audited call kept and replayed")
+
+    def steps_between(self, layers: int) -> int:
+        """Steps between two audits for a model of ``layers`` attention layers."""
+        if self.every is not None:
+            return self.every
+        return min(MAX_AUDIT_EVERY, max(1, self.sweep_steps // max(layers, 1)))
 
 
 class SymptomConfig(_Strict):

@@ -1,7 +1,8 @@
 """The agent's side of the kernel audit (``remediations.kernel_audit``): which layer to audit
 when, and the samples its audits give.
 
-Every ``kernel_audit.every`` steps the next attention layer in turn is armed on the run's
+Every ``kernel_audit.every`` steps (by default ``sweep_steps`` / the layers, at most 50: every
+layer within 100 steps) the next attention layer in turn is armed on the run's
 FP32-backward switch; its next training call through a switch-aware wrapper is captured (one
 batch row by default), and at the first step boundary after that call's backward the kernel's
 backward is run again on it for dO and -dO (training thread, a fraction of one layer's
@@ -178,7 +179,16 @@ def build_kernel_audit(
         return None, "off"
     if not layers:
         return None, "off: no attention layer"
-    args = (switch.audit, layers, config.every, config.sequences, report)
+    every = config.steps_between(len(layers))
+    if every * len(layers) > config.sweep_steps:
+        report(
+            "kernel audit",
+            f"each of the {len(layers)} attention layers is audited every "
+            f"{every * len(layers)} steps (kernel_audit.every {every}), more than "
+            f"kernel_audit.sweep_steps ({config.sweep_steps}): a fault in one layer may be "
+            "found after a rollback margin of sweep_steps has passed its onset",
+        )
+    args = (switch.audit, layers, every, config.sequences, report)
     names = {"call_names": lambda: switch.consulted_layers, "lag": lag}
     if world.collective:
         from agent.distributed.kernel_audit import DistributedKernelAuditProbe

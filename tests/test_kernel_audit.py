@@ -269,3 +269,37 @@ def test_a_result_in_flight_from_a_device_is_taken_apply_lag_steps_later(monkeyp
     assert probe.on_step(11) == []
     probe.restart()
     assert [probe.on_step(s) for s in (12, 13, 14, 15)] == [[], [], [], []]
+
+
+@pytest.mark.parametrize(
+    ("layers", "config", "every", "warned"),
+    [
+        (1, {}, 50, False),  # at most 50: one layer is audited every 50 steps
+        (2, {}, 50, False),  # the test bed
+        (3, {}, 33, False),  # every layer within 99 steps
+        (32, {}, 3, False),
+        (150, {}, 1, True),  # 150 layers cannot all be audited within 100 steps: said
+        (4, {"every": 50}, 50, True),  # the user's cadence, 200 steps a layer: said
+        (4, {"every": 50, "sweep_steps": 200}, 50, False),
+    ],
+)
+def test_every_layer_is_audited_within_sweep_steps_or_the_agent_says_so(
+    layers, config, every, warned
+) -> None:
+    from agent.config import KernelAuditConfig
+    from agent.distributed.world import World
+    from agent.kernel_audit_probe import build_kernel_audit
+
+    said: list[tuple[str, str]] = []
+    names = [f"layers.{i}.attn" for i in range(layers)]
+    probe, state = build_kernel_audit(
+        KernelAuditConfig.model_validate(config),
+        names,
+        AttentionPrecisionSwitch(),
+        World(0, 1),
+        report=lambda what, text: said.append((what, text)),
+    )
+    assert state == "on" and probe is not None and probe.every == every
+    assert bool(said) == warned
+    if warned:
+        assert f"audited every {every * layers} steps" in said[0][1]
