@@ -303,3 +303,20 @@ def test_every_layer_is_audited_within_sweep_steps_or_the_agent_says_so(
     assert bool(said) == warned
     if warned:
         assert f"audited every {every * layers} steps" in said[0][1]
+
+
+def test_the_audit_is_blind_to_a_forward_value_rounded_one_way_and_read_linearly() -> None:
+    """A documented blind spot: O rounded toward -inf where delta = rowsum(dO * O) reads it
+    (the test bed's O_delta site) is an error that is itself odd in dO, so the audit reads
+    exactly 0 although the gradient differs from the exact one (benign at this scale:
+    shared/FINDINGS.md)."""
+    fault = AttentionFault(sites=("O_delta",), bits=3, mode="floor")
+    capture = _audited_call(_emulated(fault))
+    assert sign_asymmetry(capture) == 0.0
+    exact = _audited_call(_emulated(None))
+    with torch.enable_grad():
+        grads = []
+        for c in (capture, exact):
+            q, k, v = (t.detach().requires_grad_() for t in (c.query, c.key, c.value))
+            grads.append(torch.autograd.grad(c.replay(q, k, v), q, c.upstream)[0])
+    assert not torch.equal(grads[0], grads[1])  # the fault is there; the audit cannot see it
