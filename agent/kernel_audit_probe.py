@@ -75,6 +75,7 @@ class KernelAuditProbe:
         self._next = 0  # index of the layer the next audit arms
         self._said: set[str] = set()  # layers already reported as not auditable
         self._measured = False  # whether any audit has been measured yet
+        self.audits = 0  # calls audited so far (diagnostics)
 
     def on_step(self, step: int) -> list[Sample]:
         """The samples of the audits whose backward has arrived; arms the next layer on audit
@@ -86,6 +87,7 @@ class KernelAuditProbe:
                 due = step + self.lag if read.in_flight else step
                 self._reads.append((due, step, layer, read))
                 self._measured = True
+                self.audits += 1
         out = self._arrived(step)
         for called, why in list(self.audit.unaudited.items()):
             self.audit.unaudited.pop(called)

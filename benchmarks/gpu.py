@@ -224,6 +224,8 @@ class StepResult:
     routers: int
     attention_layers: int
     runs: list[StepRun]
+    audit_every: int | None = None  # the kernel audit's cadence (None: off)
+    audits: int = 0  # calls it audited in the warm-up run
 
     def seconds(self, kind: str) -> list[float]:
         return [r.seconds for r in self.runs if r.kind == kind]
@@ -405,10 +407,14 @@ def measure_agent_controls(
 
 
 class Attention(nn.Module):
-    """Causal self-attention through torch's SDPA, projections named like Hugging Face's."""
+    """Causal self-attention through torch's SDPA, projections named like Hugging Face's. The
+    call goes through the FP32 switch's wrapper under the module's own name (``name``, set by
+    ``Decoder``), as a user's model that enables the kernel audit does: the agent's audit is
+    part of what is timed."""
 
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
+        self.name: str | None = None  # module path, e.g. "layers.0.self_attn"
         self.num_heads = self.num_key_value_heads = heads
         self.head_dim = d // heads
         self.q_proj = nn.Linear(d, d, bias=False)
@@ -422,7 +428,9 @@ class Attention(nn.Module):
             p(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d_h)
             for p in (self.q_proj, self.k_proj, self.v_proj)
         )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, L, d_h)
+        out = scaled_dot_product_attention(
+            q, k, v, is_causal=True, layer=self.name
+        )  # (B, H, L, d_h)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
@@ -483,6 +491,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(
             Block(shape, i in shape.moe_layers) for i in range(shape.layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.name = f"layers.{i}.self_attn"
         self.norm = nn.RMSNorm(shape.d)
         self.lm_head = nn.Linear(shape.d, shape.vocab, bias=False)
         self.lm_head.weight = self.embed_tokens.weight  # tied
@@ -579,7 +589,9 @@ def measure_training_overhead(plan: Plan, device: torch.device) -> StepResult:
         assert agent is not None
         params = sum(p.numel() for p in model.parameters())
         routers, layers = len(agent.router_sites), len(agent.attention_sites)
-        del model, agent
+        probe = agent.kernel_audit
+        audit = (probe.every, probe.audits) if probe is not None else (None, 0)
+        del model, agent, probe
         runs: list[StepRun] = []
         for r in range(plan.runs):
             for i in range(len(kinds)):
@@ -593,7 +605,7 @@ def measure_training_overhead(plan: Plan, device: torch.device) -> StepResult:
                     flush=True,
                 )
                 _free(device)
-    return StepResult(params, routers, layers, runs)
+    return StepResult(params, routers, layers, runs, *audit)
 
 
 # ----------------------------------------------------------------------------- 3. attention
@@ -910,6 +922,15 @@ def render_qk_row(r: QKResult) -> str:
     return f"| {r.shape.label} | {r.path} | {value} | {r.note} |"
 
 
+def _audit_words(r: StepResult, plan: Plan) -> str:
+    if r.audit_every is None:
+        return "the kernel audit off"
+    return (
+        f"the kernel audit every {r.audit_every} steps (attention through the FP32 switch's "
+        f"wrapper; {r.audits} call(s) audited in the {plan.warmup_steps}-step warm-up run)"
+    )
+
+
 def render_step(plan: Plan, r: StepResult) -> list[str]:
     s = plan.model
     rows = [
@@ -917,11 +938,12 @@ def render_step(plan: Plan, r: StepResult) -> list[str]:
         f"{s.heads} heads, MoE in layers {list(s.moe_layers)} with {s.experts} experts top-"
         f"{s.top_k}), vocab {s.vocab}, batch {s.batch} x seq {s.seq}, bf16 autocast, AdamW, "
         f"grad clipping; {r.attention_layers} attention layers and {r.routers} router(s) found by "
-        f"the agent; {plan.steps} steps per run, {plan.runs} rounds of every kind in rotated "
-        f"order, median; agent: default monitors and rules (qk.delta {plan.delta}, "
-        f"router.every {plan.router_every}, symptoms.every {plan.symptoms_every}), detect-only, "
-        "no checkpoints; its close() is inside the timed run; 'longest agent.step' is the "
-        "longest call's host time (a wait for a late monitor result shows there):",
+        f"the agent; {_audit_words(r, plan)}; {plan.steps} steps per run, {plan.runs} rounds "
+        f"of every kind in rotated order, median; agent: default monitors and rules "
+        f"(qk.delta {plan.delta}, router.every {plan.router_every}, symptoms.every "
+        f"{plan.symptoms_every}), detect-only, no checkpoints; its close() is inside the "
+        "timed run; 'longest agent.step' is the longest call's host time (a wait for a late "
+        "monitor result shows there):",
         "",
         "| run | ms / step | longest agent.step (ms) |",
         "|---|---|---|",

@@ -89,6 +89,9 @@ def test_dry_run_has_training_and_attention_rows(dry_run_table: str) -> None:
     assert math.isfinite(_number(rows["overhead (whole-run wall time)"][0]))
     assert "found by the agent" in dry_run_table
     assert "2 attention layers and 1 router(s)" in dry_run_table  # discovery saw the model
+    # the model's attention goes through the switch's wrapper: the agent's audit is timed too
+    assert "the kernel audit every 50 steps" in dry_run_table
+    assert "1 call(s) audited in the 3-step warm-up run" in dry_run_table
     # the sync count ran its loops (with and without the agent) and says why it counts nothing
     assert "Host-device synchronizations over 6 training steps" in dry_run_table
     assert "Not counted on a CPU" in dry_run_table
