@@ -41,7 +41,8 @@ CallNames = Callable[[], frozenset[str | None]]  # the layer names wrappers have
 NOT_CALLED = (
     "its calls do not go through the FP32-backward switch's attention wrappers "
     "(install_hf_attention for a Hugging Face model, with audit_any_implementation=True for "
-    "flash, flex or a custom kernel; "
+    "flash, flex or a custom kernel; remediations.sdpa_redirect.install_sdpa_redirect for "
+    "modules that call torch's scaled_dot_product_attention themselves; "
     "remediations.fp32_attention.scaled_dot_product_attention for your own attention)"
 )
 

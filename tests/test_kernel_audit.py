@@ -320,3 +320,35 @@ def test_the_audit_is_blind_to_a_forward_value_rounded_one_way_and_read_linearly
             q, k, v = (t.detach().requires_grad_() for t in (c.query, c.key, c.value))
             grads.append(torch.autograd.grad(c.replay(q, k, v), q, c.upstream)[0])
     assert not torch.equal(grads[0], grads[1])  # the fault is there; the audit cannot see it
+
+
+def test_a_model_that_calls_torch_sdpa_itself_is_audited_through_the_redirect() -> None:
+    """Research code calls torch's SDPA in its own forward: ``install_sdpa_redirect`` routes
+    those calls through the switch's wrapper under the module's name, and the audit reaches
+    them (torch's SDPA rounds to nearest: exactly 0)."""
+    from agent.kernel_audit_probe import KernelAuditProbe
+    from remediations.sdpa_redirect import install_sdpa_redirect
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 16)
+            q, k, v = (t.view(*x.shape[:2], 2, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    model = torch.nn.Sequential(SelfAttention())
+    switch = AttentionPrecisionSwitch()
+    assert install_sdpa_redirect(model, ["0"], switch=switch) == ["0"]
+    said: list[tuple[str, str]] = []
+    probe = KernelAuditProbe(
+        switch.audit, ["0"], 5, 1, lambda w, t: said.append((w, t)),
+        call_names=lambda: switch.consulted_layers,
+    )  # fmt: skip
+    x = torch.randn(2, 12, 16)
+    model(x).backward()
+    probe.on_step(0)
+    model(x).backward()
+    (sample,) = probe.on_step(1)
+    assert sample.label_dict == {"layer": "0"} and sample.value == 0.0 and said == []
