@@ -8,6 +8,7 @@ agent builds, named below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remediations.base import ActionContext
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from agent.checkpoints import CheckpointStore
     from agent.config import AgentConfig
     from agent.discovery import RouterSite
-    from agent.incidents import IncidentEvent
     from agent.kernel_audit_probe import KernelAuditProbe
     from agent.measurements import Measurements
     from remediations.attention import AttentionPrecisionSwitch
@@ -48,11 +48,8 @@ class AgentActions:
     _last_step: int | None
     _resume_step: int | None
 
-    def _page(self, event: IncidentEvent, ranks: str = "") -> None:  # the agent's
-        raise NotImplementedError
-
-    def _write(self, kind: str, step: int, **payload: Any) -> None:  # the agent's
-        raise NotImplementedError
+    _page: Callable[..., None]  # (event, ranks="") the agent's: log and page an incident event
+    _write: Callable[..., None]  # (kind, step, **payload) the agent's: an event-log record
 
     def _admit(self, step: int, admission: Admission) -> None:
         """Run (or record) what pacing decided about one request; ``step`` moves to the

@@ -75,32 +75,28 @@ class KernelAuditProbe:
         self._layer_of: dict[str, str] = {}  # the reverse
         self._next = 0  # index of the layer the next audit arms
         self._said: set[str] = set()  # layers already reported as not auditable
-        self._measured = False  # whether any audit has been measured yet
         self.audits = 0  # calls audited so far (diagnostics)
 
     def on_step(self, step: int) -> list[Sample]:
         """The samples of the audits whose backward has arrived; arms the next layer on audit
         steps. Runs the replays (training thread, between steps)."""
         for c in self.audit.take():
-            layer = self._layer_of.get(c.layer, c.layer)
+            layer = self._layer(c.layer)
             if layer in self._labels:
                 read = HostRead(sign_parts(c))
                 due = step + self.lag if read.in_flight else step
                 self._reads.append((due, step, layer, read))
-                self._measured = True
                 self.audits += 1
         out = self._arrived(step)
         for called, why in list(self.audit.unaudited.items()):
             self.audit.unaudited.pop(called)
-            self._unauditable(
-                self._layer_of.get(called, called), f"a wrapper could not capture its call: {why}"
-            )
+            self._unauditable(self._layer(called), f"a wrapper could not capture its call: {why}")
         if step % self.every == 0 and self.layers:
             for called in self.audit.pending():
-                layer = self._layer_of.get(called, called)
+                layer = self._layer(called)
                 if layer not in self.layers:
                     continue
-                if not self._measured:  # no layer ever reached a wrapper: none will
+                if not self.audits:  # no layer ever reached a wrapper: none will
                     for other in list(self.layers):
                         self._unauditable(other, NOT_CALLED, say=False)
                     self.report("kernel audit", f"no attention layer is audited: {NOT_CALLED}")
@@ -123,6 +119,10 @@ class KernelAuditProbe:
             out.append(Sample(measured, m.ATTENTION_BACKWARD_ASYMMETRY, value, self._labels[layer]))
         self._reads = keep
         return out
+
+    def _layer(self, called: str) -> str:
+        """The agent's name of the layer a wrapper calls ``called``."""
+        return self._layer_of.get(called, called)
 
     def _called(self, layer: str) -> str:
         """The name ``layer``'s wrapper calls it by: the agent's module path, or, when the
