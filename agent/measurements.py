@@ -43,6 +43,7 @@ from agent import samples as m
 from agent.costs import MONITOR_THREAD, Costs
 from agent.discovery import AttentionSite, RouterSite
 from agent.discovery.controls import find_controls
+from agent.grad_norm import ZEROED, OwnGradNorm
 from agent.host_read import HostRead
 from agent.monitor_budget import MonitorBudget
 from agent.monitor_process import ProcessWorker, process_supported
@@ -129,6 +130,8 @@ class Measurements:
         )
         self._loss: list[tuple[int, Scalar]] = []
         self._grad: list[tuple[int, Scalar]] = []
+        self._own_grad_norm = OwnGradNorm(model)
+        self._own_grad_steps: set[int] = set()  # buffered grad norms the agent measured
         self._pending: list[tuple[int, Future]] = []  # (due step, future of samples)
         # (due step, what the samples are, their maker): read-outs whose host transfer from
         # a GPU is in flight (agent.host_read)
@@ -175,9 +178,12 @@ class Measurements:
 
     def _measure_grad_norm(self, step: int) -> None:
         """The loop passed no grad norm: the agent's own (a device tensor, no sync)."""
-        norm = self._guarded("grad norm", lambda: _grad_norm(self.model), None)
+        norm = self._guarded("grad norm", self._own_grad_norm.measure, None)
         if norm is not None:
             self._grad.append((step, norm))
+            self._own_grad_steps.add(step)
+        elif self._own_grad_norm.problem is not None:
+            self.report("grad norm", self._own_grad_norm.problem)
 
     def collect(self, step: int) -> list[Sample]:
         """Every sample due at ``step`` (see the module docstring)."""
@@ -202,7 +208,19 @@ class Measurements:
         for job in self._guarded("qk snapshot", lambda: self.qk.on_step(step), []):
             self._pending.append((step + lag, self._submit_job(job)))
         new += self._collect_due(step)
-        return new
+        return self._check_own_grad_norm(new)
+
+    def _check_own_grad_norm(self, samples: list[Sample]) -> list[Sample]:
+        """Report (once) a grad norm of the agent's own that reads exactly 0: gradients zeroed
+        in place before ``agent.step`` (``agent.grad_norm.ZEROED``). ``samples`` unchanged."""
+        if not self._own_grad_steps:
+            return samples
+        for sample in samples:
+            if sample.metric == m.GRAD_NORM and sample.step in self._own_grad_steps:
+                self._own_grad_steps.discard(sample.step)
+                if sample.value == 0.0:
+                    self.report("grad norm", ZEROED)
+        return samples
 
     def _take_or_defer(self, step: int, what: str, read: PendingRead) -> list[Sample]:
         """A read-out's samples now, or ``apply_lag`` steps later when its host transfer is in
@@ -249,6 +267,7 @@ class Measurements:
         self._router_handed.clear()
         self._loss.clear()
         self._grad.clear()
+        self._own_grad_steps.clear()
 
     def close(self) -> None:
         self.router_probe.detach()
@@ -416,11 +435,3 @@ class SymptomRead:
                 nonfinite = 0.0 if math.isfinite(value) else 1.0
                 out.append(Sample.make(s, m.LOSS_NONFINITE, nonfinite))
         return out
-
-
-def _grad_norm(model: torch.nn.Module) -> torch.Tensor | None:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    norms = torch._foreach_norm(grads)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
