@@ -88,7 +88,7 @@ def child(variant: str, steps: int) -> dict:
     steps_timed: list[tuple[float, float]] = []  # training steps' wall intervals
     untime = _time_monitor_jobs(jobs) if variant != "bare" else lambda: None
     with tempfile.TemporaryDirectory() as run_dir:
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0, cpu0, proc0 = time.perf_counter(), time.thread_time(), time.process_time()
         scenario = ScenarioConfig.preset("clean", seed=0, steps=steps + 1)
         run = TestbedRun(scenario, record_monitors=False)  # the bare loop: no test-bed monitors
         agent = None
@@ -115,11 +115,13 @@ def child(variant: str, steps: int) -> dict:
             close_s = time.perf_counter() - closing
             costs = agent.costs()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        process_cpu = time.process_time() - proc0  # every thread of this process, no child
     untime()
     return {
         "variant": variant,
         "wall_s": wall,
         "train_cpu_s": cpu,
+        "process_cpu_s": process_cpu,
         "import_s": imported,
         "costs": costs,
         "construct_s": construct_s,

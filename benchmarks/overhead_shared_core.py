@@ -17,7 +17,15 @@ estimate applies. Each round swaps the cores, so a difference between the two co
 
 Per round: the whole run's wall time (building the model to ``agent.close()``), the training
 steps' wall time (``run.step()``: forward, backward, optimizer step), the agent's / bare ratio
-of each; medians and ranges over the rounds. Uses ``overhead.py --child`` for the runs (the
+of each; and the training process's CPU time (``time.process_time()``: every thread of the
+process that trains, the monitor process not included), the agent's / bare ratio of which is
+what the run needs of its own core when the monitor process has another one: a whole run
+that does not wait (CPU training) takes the CPU time it needs, and the two runs' ratio is
+taken at the same time, so the machine's drift cancels as for the wall time. It is a
+conservative proxy for a host with a spare core: the cache the monitor process evicts from
+the shared core, and the agent's other threads (which could run beside it), count in it.
+``--variant bare`` runs two bare processes: the design's null check. Medians and ranges over
+the rounds. Uses ``overhead.py --child`` for the runs (the
 same run as there). Linux only (CPU affinity); it says so and exits 0 elsewhere or with fewer
 than 2 cores.
 """
@@ -36,7 +44,8 @@ import torch
 from provenance import provenance
 
 OVERHEAD = Path(__file__).resolve().parent / "overhead.py"
-VARIANTS = ("agent", "agent, grad norm given", "agent, qk.budget 0.01")
+# "bare": both processes run the bare loop, the null check of the design (no agent anywhere)
+VARIANTS = ("agent", "agent, grad norm given", "agent, qk.budget 0.01", "bare")
 
 
 def _pinned(core: int, variant: str, steps: int) -> subprocess.Popen:
@@ -73,6 +82,8 @@ def rounds(n: int, steps: int, variant: str, cores: tuple[int, int]) -> list[dic
             "agent_wall_s": a["wall_s"],
             "bare_train_step_s": b["train_step_s"],
             "agent_train_step_s": a["train_step_s"],
+            "bare_process_cpu_s": b["process_cpu_s"],
+            "agent_process_cpu_s": a["process_cpu_s"],
             "agent_step_s": a["agent_step_s"],
             "monitor_cpu_s": a["costs"].get("monitor thread", 0.0),  # CPU s (agent/costs.py)
         }
@@ -92,43 +103,73 @@ def _pct(x: float) -> str:
 def table(results: list[dict], steps: int, variant: str) -> list[str]:
     wall = [r["agent_wall_s"] / r["bare_wall_s"] - 1 for r in results]
     train = [r["agent_train_step_s"] / r["bare_train_step_s"] - 1 for r in results]
+    # older saved rounds (before 2026-12-07) have no process CPU times
+    cpu = [
+        r["agent_process_cpu_s"] / r["bare_process_cpu_s"] - 1
+        for r in results
+        if "agent_process_cpu_s" in r
+    ]
+    if len(cpu) != len(results):
+        cpu = []
     lines = [
         f"Test bed clean run, seed 0, {steps} steps, one torch thread; `bare` and `{variant}` "
         "started together, each pinned to its own core (the agent's monitor thread and process "
         "on its training core), the cores swapped every round.",
         "",
         "| round | bare s (core) | agent s (core) | whole run | training steps | "
-        "`agent.step` per step | monitor jobs' CPU per step |",
-        "|---|---|---|---|---|---|---|",
+        "`agent.step` per step | monitor jobs' CPU per step |"
+        + (" bare / agent process CPU s | process CPU |" if cpu else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if cpu else ""),
     ]
-    for r, w, t in zip(results, wall, train, strict=True):
+    for i, (r, w, t) in enumerate(zip(results, wall, train, strict=True)):
+        extra = (
+            f" {r['bare_process_cpu_s']:.2f} / {r['agent_process_cpu_s']:.2f} | {_pct(cpu[i])} |"
+            if cpu
+            else ""
+        )
         lines.append(
             f"| {r['round']} | {r['bare_wall_s']:.2f} ({r['bare_core']}) | "
             f"{r['agent_wall_s']:.2f} ({r['agent_core']}) | {_pct(w)} | {_pct(t)} | "
             f"{r['agent_step_s'] / steps * 1e3:.3f} ms | "
-            f"{r['monitor_cpu_s'] / steps * 1e3:.3f} ms |"
+            f"{r['monitor_cpu_s'] / steps * 1e3:.3f} ms |" + extra
         )
     lines += [
         "",
         f"Median over {len(results)} rounds: whole run {_pct(statistics.median(wall))} "
         f"[{_pct(min(wall))}..{_pct(max(wall))}], training steps "
-        f"{_pct(statistics.median(train))} [{_pct(min(train))}..{_pct(max(train))}].",
+        f"{_pct(statistics.median(train))} [{_pct(min(train))}..{_pct(max(train))}]"
+        + (
+            f", the training process's CPU time {_pct(statistics.median(cpu))} "
+            f"[{_pct(min(cpu))}..{_pct(max(cpu))}]."
+            if cpu
+            else "."
+        ),
     ]
+    lines += _by_core(results, wall, "Whole run")
+    if cpu:
+        lines += _by_core(results, cpu, "The training process's CPU time")
+    return lines
+
+
+def _by_core(results: list[dict], ratios: list[float], what: str) -> list[str]:
+    """``ratios`` by the agent's core, and the mean of the two cores' medians."""
     by_core = {
-        core: [w for r, w in zip(results, wall, strict=True) if r["agent_core"] == core]
+        core: [x for r, x in zip(results, ratios, strict=True) if r["agent_core"] == core]
         for core in sorted({r["agent_core"] for r in results})
     }
-    if len(by_core) == 2 and all(by_core.values()):  # a core slower than the other cancels
-        medians = [statistics.median(ws) for ws in by_core.values()]
-        lines.append(
-            "Whole run by the agent's core: "
-            + "; ".join(
-                f"core {core}: {', '.join(_pct(w) for w in ws)}" for core, ws in by_core.items()
-            )
-            + f". Mean of the two cores' medians (a difference between the cores cancels): "
-            f"{_pct(sum(medians) / 2)}."
+    if len(by_core) != 2 or not all(by_core.values()):
+        return []
+    medians = [
+        statistics.median(xs) for xs in by_core.values()
+    ]  # a core slower than the other cancels
+    return [
+        f"{what} by the agent's core: "
+        + "; ".join(
+            f"core {core}: {', '.join(_pct(x) for x in xs)}" for core, xs in by_core.items()
         )
-    return lines
+        + f". Mean of the two cores' medians (a difference between the cores cancels): "
+        f"{_pct(sum(medians) / 2)}."
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

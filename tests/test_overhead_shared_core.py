@@ -42,6 +42,21 @@ def test_the_table_gives_every_round_and_the_median_ratios() -> None:
     assert text.endswith("cancels): +1.75%.")
 
 
+def test_the_training_process_cpu_ratio_is_given_per_round_and_by_core() -> None:
+    rows = [_row(0, 100.0, 103.0, 90.0, 91.8), _row(1, 100.0, 101.0, 90.0, 90.9)]
+    rows.append(_row(2, 50.0, 51.0, 40.0, 40.0))
+    for r, (bare, agent) in zip(rows, [(80.0, 80.4), (80.0, 80.8), (40.0, 40.0)], strict=True):
+        r["bare_process_cpu_s"], r["agent_process_cpu_s"] = bare, agent
+    text = "\n".join(shared_core.table(rows, 1000, "agent"))
+    assert "| 2.000 ms | 80.00 / 80.40 | +0.50% |" in text
+    assert "the training process's CPU time +0.50% [+0.00%..+1.00%]." in text
+    # the agent on core 1 in rounds 0 and 2 (+0.5%, 0%: median 0.25%), on core 0 (+1%): 0.625%
+    assert text.endswith(
+        "core 0: +1.00%; core 1: +0.50%, +0.00%. Mean of the two cores' "
+        "medians (a difference between the cores cancels): +0.63%."
+    )
+
+
 @pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs CPU affinity and 2 cores",
@@ -54,4 +69,5 @@ def test_two_short_rounds_run_pinned_and_swap_cores(tmp_path) -> None:
     assert rows[0]["bare_core"] == rows[1]["agent_core"] != rows[0]["agent_core"]
     assert all(r["bare_wall_s"] > 0 and r["agent_wall_s"] > 0 for r in rows)
     assert all(r["agent_step_s"] > 0 for r in rows)  # the agent ran in the agent process
+    assert all(0 < r["bare_process_cpu_s"] and 0 < r["agent_process_cpu_s"] for r in rows)
     assert "Median over 2 rounds" in out.read_text()
