@@ -166,11 +166,11 @@ def _rank(rank: int, world: int, init: str, tmp: str, wrap: str, steps: int) -> 
         )
         (loss + aux).backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         current["step"] = step
         t0 = time.perf_counter()
-        agent.step(step, loss=loss.detach())
+        agent.step(step, loss=loss.detach())  # before zero_grad: it measures the grad norm
         step_wall.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
     current["step"] = steps
     agent.close()
     result = {

@@ -177,13 +177,14 @@ def _tensor_parallel(model: MoETransformer) -> None:
 
 
 def _train_step(model, opt, sched, batch) -> torch.Tensor:
+    # cleared first: the gradients are there at agent.step, whose own grad norm reads them
+    opt.zero_grad(set_to_none=True)
     logits, aux = model(batch)
     loss = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, SHAPE.vocab), batch[:, 1:].reshape(-1)
     )
     (loss + aux).backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)
     sched.step()
     return loss.detach()
 

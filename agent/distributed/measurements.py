@@ -48,6 +48,7 @@ from agent.distributed.exchange import (
 from agent.distributed.fetch import is_sharded
 from agent.distributed.snapshots import ShardedQKSnapshots, expand_job
 from agent.distributed.world import World
+from agent.grad_norm import NO_GRADIENTS
 from agent.measurements import Measurements
 from agent.probes import QKJob, QKSnapshots, compute_qk_samples
 from agent.router_probe import WEIGHT_STATS
@@ -84,6 +85,9 @@ class DistributedMeasurements(Measurements):
         )
         if share is not None:
             self._squares.append((step, share))
+            self._own_grad_steps.add(step)
+        else:  # no gradient on this rank: cleared before agent.step (agent.grad_norm)
+            self.report("grad norm", NO_GRADIENTS)
 
     def collect(self, step: int) -> list[Sample]:
         lag = self.config.scheduling.apply_lag
@@ -124,7 +128,7 @@ class DistributedMeasurements(Measurements):
                     f"{', '.join(parts)} failed on rank {rank} (its event log says why); "
                     "left out of the read-out on every rank",
                 )
-        return samples
+        return self._check_own_grad_norm(samples)
 
     def restart(self) -> None:
         super().restart()

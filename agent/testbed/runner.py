@@ -131,6 +131,9 @@ class TestbedRun:
     def step(self) -> Tensor:
         """One optimizer step; returns the step's cross-entropy loss (a 0-dim tensor)."""
         self._sync_faults()
+        # cleared here, not after the optimizer step: the gradients stay readable between
+        # steps (an agent given no grad_norm measures them at agent.step), the same update
+        self.optimizer.zero_grad(set_to_none=True)
         step = self.step_index
         batch = self._batch(step).to(self.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
@@ -140,7 +143,6 @@ class TestbedRun:
         max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.last_samples = self.recorder.after_step(step)
         self.last_loss = loss.detach()
