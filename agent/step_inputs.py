@@ -47,6 +47,8 @@ def check_scalar(name: str, value: object) -> Checked:
 
 
 def _check_tensor(name: str, value: torch.Tensor) -> Checked:
+    if value.dim() == 0 and value.is_floating_point():  # the usual case, in two calls
+        return Checked(value.detach())
     if value.is_complex() or value.dtype == torch.bool:
         return Checked(
             None, f"rejected {name}: a tensor of dtype {value.dtype} is not a real number"
