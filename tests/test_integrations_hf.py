@@ -87,6 +87,9 @@ def test_agent_steps_with_the_trainer_and_its_state_resumes(tmp_path: Path) -> N
         "model.layers.1.self_attn",
     ]
     assert agent.latest_metrics()["loss"] > 0  # the model's own loss reached the agent
+    # on_optimizer_step comes before zero_grad: the agent's own grad norm is measured
+    assert [s for s, _ in agent.store.series("grad_norm")] == list(range(6))
+    assert all(v > 0 for _, v in agent.store.series("grad_norm"))
     for step in (3, 6):
         assert (tmp_path / "out" / f"checkpoint-{step}" / STATE_FILE).exists()
     # Resume from checkpoint 3 in a fresh Trainer: the agent's step counter comes back.

@@ -82,6 +82,9 @@ def test_one_agent_step_per_optimizer_step_with_the_mean_loss(tmp_path: Path) ->
     assert agent is not None and agent._last_step == 3 and callback.next_step == 4
     last_two = module.losses[-2:]  # the two batches of the last optimizer step
     assert agent.latest_metrics()["loss"] == pytest.approx(sum(last_two) / 2, rel=1e-6)
+    # the gradients are still there at the callback: the agent's own grad norm is measured
+    assert [s for s, _ in agent.store.series("grad_norm")] == [0, 1, 2, 3]
+    assert all(v > 0 for _, v in agent.store.series("grad_norm"))
 
 
 def test_state_travels_in_the_lightning_checkpoint(tmp_path: Path) -> None:
