@@ -67,6 +67,7 @@ from agent.metric_sinks import build_sinks, write_round
 from agent.monitor_thread import MonitorThread
 from agent.notify.base import Notifier
 from agent.notify.factory import build_dispatcher
+from agent.optimizer_steps import OptimizerSteps
 from agent.rules.engine import RuleEngine
 from agent.rules.loader import default_rule_files, load_rule_files
 from agent.samples import Sample
@@ -167,6 +168,12 @@ class Agent(AgentActions):
             submit=self.thread.submit,
             report=self.failures.report,
             costs=self._costs,
+        )
+
+        # Optimizer steps a GradScaler skipped (agent/optimizer_steps.py); one process only: a
+        # distributed read-out would have to agree on them over the ranks (not done yet)
+        self._optimizer_steps = (
+            OptimizerSteps(optimizer) if optimizer is not None and self.world.size == 1 else None
         )
 
         self.kernel_audit, kernel_audit_state = build_kernel_audit(
@@ -281,9 +288,12 @@ class Agent(AgentActions):
                 self.failures.report("agent.step", checked.problem, outcome="the run goes on")
             values[name] = checked.value
         self._last_step = step
+        skipped = self._optimizer_steps.skipped() if self._optimizer_steps is not None else None
         self._guarded(
             "measurements",
-            lambda: self.measurements.record(step, values["loss"], values["grad_norm"]),
+            lambda: self.measurements.record(
+                step, values["loss"], values["grad_norm"], skipped=skipped
+            ),
             None,
         )
         new = self._guarded("measurements", lambda: self.measurements.collect(step), [])
@@ -451,6 +461,8 @@ class Agent(AgentActions):
             return
         self._closed = True
         self._guarded("measurements", self.measurements.close, None)
+        if self._optimizer_steps is not None:
+            self._optimizer_steps.close()
         if self.kernel_audit is not None:
             self._guarded("kernel audit", self.kernel_audit.close, None)
         self.thread.shutdown()

@@ -132,6 +132,9 @@ class Measurements:
         self._grad: list[tuple[int, Scalar]] = []
         self._own_grad_norm = OwnGradNorm(model)
         self._own_grad_steps: set[int] = set()  # buffered grad norms the agent measured
+        # agent.step calls since the last symptom read-out whose optimizer step is known, and
+        # those of them the optimizer skipped (agent.optimizer_steps)
+        self._steps_known = self._steps_skipped = 0
         self._pending: list[tuple[int, Future]] = []  # (due step, future of samples)
         # (due step, what the samples are, their maker): read-outs whose host transfer from
         # a GPU is in flight (agent.host_read)
@@ -167,10 +170,25 @@ class Measurements:
         return worker
 
     # -- the training thread -----------------------------------------------------------------
-    def record(self, step: int, loss: Scalar | None, grad_norm: Scalar | None) -> None:
-        """Buffer one step's (checked) loss and grad norm; see ``agent.step_inputs``."""
+    def record(
+        self,
+        step: int,
+        loss: Scalar | None,
+        grad_norm: Scalar | None,
+        *,
+        skipped: bool | None = None,
+    ) -> None:
+        """Buffer one step's (checked) loss and grad norm; see ``agent.step_inputs``.
+        ``skipped``: the optimizer did not step (``agent.optimizer_steps``; None: unknown):
+        the step's gradient norm, inf or NaN after a GradScaler's overflow, is left out, and
+        the step counts in ``optimizer_skipped_share``."""
         if loss is not None:
             self._loss.append((step, loss))
+        if skipped is not None:
+            self._steps_known += 1
+            self._steps_skipped += skipped
+            if skipped:
+                return
         if grad_norm is not None:
             self._grad.append((step, grad_norm))
         elif self.config.symptoms.grad_norm and step % self.config.symptoms.every == 0:
@@ -192,6 +210,10 @@ class Measurements:
         if step % self.config.symptoms.every == 0:
             for read in self._guarded("symptoms", self._read_symptoms, [], clear=True):
                 new += self._take_or_defer(step, "symptoms", read)
+            if self._steps_known:
+                share = self._steps_skipped / self._steps_known
+                new.append(Sample.make(step, m.OPTIMIZER_SKIPPED_SHARE, share))
+                self._steps_known = self._steps_skipped = 0
         self._hand_over_routers(step)
         if self.router_sites and step % self.config.router.every == 0:
             rows = self._router_rows(step)
@@ -268,6 +290,7 @@ class Measurements:
         self._loss.clear()
         self._grad.clear()
         self._own_grad_steps.clear()
+        self._steps_known = self._steps_skipped = 0
 
     def close(self) -> None:
         self.router_probe.detach()

@@ -47,6 +47,10 @@ LOSS = "loss"
 LOSS_NONFINITE = "loss_nonfinite"  # 1.0 when the loss is NaN or inf, else 0.0
 GRAD_NORM = "grad_norm"
 SECONDS_SINCE_STEP = "seconds_since_step"  # written by the watchdog
+# the share of the agent.step calls since the previous symptom read-out that followed no real
+# optimizer step (a GradScaler skipped it: agent/optimizer_steps.py), at those read-outs; none
+# where the agent cannot tell (no optimizer, a wrapper torch does not hook, a distributed run)
+OPTIMIZER_SKIPPED_SHARE = "optimizer_skipped_share"
 # the optimizer's learning rate, per parameter group (label "group"), at the symptom read-outs
 # (agent/schedule_steps.py: the attribution's schedule steps)
 LEARNING_RATE = "lr"
