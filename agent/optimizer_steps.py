@@ -10,7 +10,9 @@ asks whether one happened since the previous call.
 
 Trusted only where torch runs the hooks on every real step: an optimizer whose class ``step``
 torch has wrapped (``torch.optim.Optimizer.__init__`` does it; the wrapped function carries
-``hooked``). Elsewhere (wrappers that do not initialise ``Optimizer``) ``skipped()`` is None:
+``hooked``). A wrapper that is not one but holds one as ``.optimizer`` (accelerate's
+``AcceleratedOptimizer``, which the Hugging Face Trainer hands its callbacks: its scaler steps
+the inner optimizer, or skips it) is counted on the inner one. Elsewhere ``skipped()`` is None:
 unknown, and the agent keeps every gradient norm, as before.
 """
 
@@ -25,9 +27,10 @@ class OptimizerSteps:
     """Counts ``optimizer``'s real steps; ``skipped()`` once per ``agent.step``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.trusted = bool(getattr(type(optimizer).step, "hooked", False)) and hasattr(
-            optimizer, "register_step_post_hook"
-        )
+        inner = getattr(optimizer, "optimizer", None)
+        if not _hooked(optimizer) and _hooked(inner):
+            optimizer = inner  # a wrapper (accelerate): the scaler steps the inner optimizer
+        self.trusted = _hooked(optimizer)
         self._count = 0  # real optimizer steps so far
         self._seen = 0  # the count at the previous skipped() call
         self._handle = optimizer.register_step_post_hook(self._hook) if self.trusted else None
@@ -47,3 +50,9 @@ class OptimizerSteps:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+def _hooked(optimizer: object) -> bool:
+    """Whether torch runs ``optimizer``'s step hooks on each of its steps."""
+    step = getattr(type(optimizer), "step", None)
+    return bool(getattr(step, "hooked", False)) and hasattr(optimizer, "register_step_post_hook")

@@ -44,6 +44,29 @@ def test_an_optimizer_torch_does_not_hook_is_unknown():
     assert not steps.trusted and steps.skipped() is None
 
 
+def test_a_wrapper_holding_a_torch_optimizer_is_counted_on_it():
+    """accelerate's AcceleratedOptimizer: its own step is not hooked; the scaler steps (or
+    skips) the inner optimizer, whose hooks count."""
+    model = torch.nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Accelerated:
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        def step(self, skip: bool = False) -> None:
+            if not skip:
+                self.optimizer.step()
+
+    wrapper = Accelerated(inner)
+    steps = OptimizerSteps(wrapper)  # type: ignore[arg-type]
+    assert steps.trusted
+    wrapper.step()
+    assert steps.skipped() is False
+    wrapper.step(skip=True)
+    assert steps.skipped() is True
+
+
 def _run(tmp_path: Path, overflow: set[int], steps: int) -> tuple[Agent, list[float]]:
     """A small fp16-style loop with a CPU GradScaler; at the ``overflow`` steps one gradient is
     all inf (the scaler skips the optimizer step). The agent gets the loss only."""

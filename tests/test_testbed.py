@@ -319,9 +319,11 @@ def test_the_test_bed_measures_exactly_what_the_agent_measures(tmp_path: Path) -
         theirs = {
             (s, metric, labels): v
             for metric in agent.store.metrics()
-            # the loop's inputs and the optimizer's learning rates are not monitors; the
-            # kernel audit replays a call the agent captured (tests/test_kernel_audit.py)
-            if metric not in ("loss", "loss_nonfinite", "grad_norm", "lr")
+            # the loop's inputs and the optimizer's learning rates and skipped steps are not
+            # monitors; the kernel audit replays a call the agent captured
+            # (tests/test_kernel_audit.py)
+            if metric
+            not in ("loss", "loss_nonfinite", "grad_norm", "lr", "optimizer_skipped_share")
             and metric != "attention_backward_asymmetry"
             for labels, points in agent.store.select(metric).items()
             for s, v in points
