@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from symptom_agent import symptoms_only
 
 from agent.agent import Agent
-from agent.config import AgentConfig
 from agent.eventlog import read_events
 from agent.grad_norm import NO_GRADIENTS, REFRESH_CALLS, ZEROED, OwnGradNorm
 
@@ -79,16 +79,7 @@ def _loop(
     torch.manual_seed(0)
     model = _Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = AgentConfig.model_validate(
-        {
-            "run_dir": tmp_path / "run",
-            "symptoms": {"every": 5},
-            "qk": {"enabled": False},
-            "router": {"enabled": False},
-            "kernel_audit": {"enabled": False},
-            "notify": {"console": "never"},
-        }
-    )
+    config = symptoms_only(tmp_path / "run", 5)
     agent = Agent(model, optimizer, config=config)
     norms = []
     with warnings.catch_warnings(record=True) as caught:

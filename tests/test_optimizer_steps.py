@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from symptom_agent import symptoms_only
 
 from agent.agent import Agent
-from agent.config import AgentConfig
 from agent.eventlog import read_events
 from agent.optimizer_steps import OptimizerSteps
 
@@ -78,16 +78,7 @@ def _run(tmp_path: Path, overflow: set[int], steps: int) -> tuple[Agent, list[fl
     model[0].weight.register_hook(
         lambda g: torch.full_like(g, math.inf) if current["step"] in overflow else g
     )
-    config = AgentConfig.model_validate(
-        {
-            "run_dir": tmp_path / "run",
-            "symptoms": {"every": 10},
-            "qk": {"enabled": False},
-            "router": {"enabled": False},
-            "kernel_audit": {"enabled": False},
-            "notify": {"console": "never", "symptom_wait_steps": 0},
-        }
-    )
+    config = symptoms_only(tmp_path / "run", 10, symptom_wait_steps=0)
     agent = Agent(model, optimizer, config=config)
     norms = []
     g = torch.Generator().manual_seed(1)
